@@ -1,0 +1,47 @@
+# strata developer entry points.  `make test` is what CI runs (via .ci/run).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := test
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.stamp
+
+# Debian packages: required ones must install; optional ones (gVisor's runsc)
+# are installed when apt has a candidate and skipped with a message otherwise.
+APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync
+APT_OPTIONAL := runsc
+
+.PHONY: deps apt-deps lint test demo bench clean
+
+deps: apt-deps $(STAMP)
+
+apt-deps:
+	@bash scripts/apt-deps.sh $(APT_PKGS) -- $(APT_OPTIONAL)
+
+$(VENV)/pyvenv.cfg:
+	$(PYTHON) -m venv $(VENV)
+
+# Re-run pip only when pyproject.toml is newer than the stamp (or the venv is new).
+$(STAMP): pyproject.toml | $(VENV)/pyvenv.cfg
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $@
+
+lint: deps
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy src
+
+test: deps lint
+	$(BIN)/pytest -q
+
+demo: deps
+	bash scripts/demo.sh
+
+bench: deps
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	find . -path ./.git -prune -o \( -name '__pycache__' -o -name '*.egg-info' \) \
+		-type d -prune -exec rm -rf {} +

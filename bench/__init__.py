@@ -1,0 +1,1 @@
+"""Benchmarks for strata, run with ``make bench`` (``python -m bench``)."""

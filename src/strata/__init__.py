@@ -1,0 +1,5 @@
+"""strata: a versioned, transactional, forkable filesystem."""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

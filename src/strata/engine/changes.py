@@ -1,0 +1,122 @@
+"""Replaying a change set onto a branch head, and detecting conflicts.
+
+A change set maps paths to final entries (None deletes). When the branch head
+is still the change set's base, the changes are applied to it. When the head
+has moved, each changed path is checked against what the other side did
+between base and head; if no path collides the changes are applied to the new
+head (replay), otherwise `Conflict` names every colliding path. The rules are
+written out in docs/design.md ("Replay and conflicts").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from strata.engine.errors import Conflict, InvalidInput
+from strata.engine.names import split_path
+from strata.engine.objects import K_DIR, Entry, check_entry
+from strata.engine.tree import Trees
+
+
+def parse_changes(changes: dict[str, Entry | None]
+                  ) -> list[tuple[tuple[str, ...], Entry | None]]:
+    """Validate paths and entries; return (components, entry) sorted by path."""
+    out: list[tuple[tuple[str, ...], Entry | None]] = []
+    for path, e in changes.items():
+        parts = split_path(path)
+        if e is not None:
+            if not isinstance(e, Entry):
+                raise InvalidInput(f"change for {path!r} is not an entry")
+            check_entry(e)
+        elif not parts:
+            raise InvalidInput("the root directory cannot be deleted")
+        out.append((parts, e))
+    out.sort(key=lambda pe: pe[0])
+    seen_deleted: list[tuple[str, ...]] = []
+    for parts, e in out:
+        for d in seen_deleted:
+            if parts[:len(d)] == d and len(parts) > len(d):
+                raise InvalidInput(
+                    f"change set both deletes {'/'.join(d)!r} and changes {'/'.join(parts)!r}")
+        if e is None or e.kind != K_DIR:
+            seen_deleted.append(parts)
+    return out
+
+
+def _same(a: Entry | None, b: Entry | None) -> bool:
+    return a == b
+
+
+def _is_merge_dir(e: Entry | None) -> bool:
+    return e is not None and e.kind == K_DIR and e.ref is None
+
+
+def find_conflicts(trees: Trees, base: Entry, head: Entry,
+                   changes: Sequence[tuple[tuple[str, ...], Entry | None]]) -> list[str]:
+    """Paths where our changes collide with what happened between base and head."""
+    conflicts: list[str] = []
+    for parts, mine in changes:
+        path = "/".join(parts)
+        # Ancestors: the other side must not have removed or replaced a
+        # directory our change lives in.
+        bad_ancestor = None
+        for i in range(1, len(parts)):
+            eb = trees.resolve(base, parts[:i])
+            eh = trees.resolve(head, parts[:i])
+            if eh is None or eh.kind == K_DIR:
+                if eb is not None and eb.kind == K_DIR and eh is None:
+                    bad_ancestor = "/".join(parts[:i])
+                    break
+                continue
+            if eb != eh:  # they made a non-directory here
+                bad_ancestor = "/".join(parts[:i])
+                break
+        if bad_ancestor is not None:
+            conflicts += [bad_ancestor, path]
+            continue
+        eb = trees.resolve(base, parts)
+        eh = trees.resolve(head, parts)
+        if _is_merge_dir(mine):
+            assert mine is not None
+            if eh is None:
+                if eb is not None and eb.kind == K_DIR:
+                    conflicts.append(path)  # they removed the directory we changed
+                continue
+            if eh.kind == K_DIR:
+                if eb is None or eb.kind != K_DIR:
+                    if eh.attrs() != mine.attrs():
+                        conflicts.append(path)  # both created it, differently
+                elif eh.attrs() != eb.attrs() and eh.attrs() != mine.attrs():
+                    conflicts.append(path)  # both changed its attributes
+                continue
+            if eb != eh:
+                conflicts.append(path)
+            continue
+        if _same(eb, eh):
+            continue  # the other side left this path (and all below it) alone
+        if mine is not None and eh is not None and _same(eh, mine):
+            continue  # both sides made the same change
+        if mine is None and eh is None:
+            continue  # both deleted it
+        conflicts.append(path)
+    return conflicts
+
+
+def rebase(trees: Trees, base: Entry, head: Entry, changes: dict[str, Entry | None]) -> Entry:
+    """The new root: `changes` (made against `base`) applied to `head`."""
+    parsed = parse_changes(changes)
+    if base != head:
+        conflicts = find_conflicts(trees, base, head, parsed)
+        if conflicts:
+            raise Conflict(conflicts)
+    root = head
+    body = [(p, e) for p, e in parsed if p]
+    for parts, e in parsed:
+        if not parts:
+            if e is None or e.kind != K_DIR:
+                raise InvalidInput("the root must stay a directory")
+            root = root.with_(mode=e.mode, uid=e.uid, gid=e.gid, xattrs=e.xattrs,
+                              mtime_ns=max(e.mtime_ns, root.mtime_ns))
+    if body:
+        root = trees.apply(root, body)
+    return root

@@ -1,0 +1,81 @@
+"""The exception tree, grouped by what a caller does about each error.
+
+Each class maps to one CLI exit code and one HTTP status (see README and
+docs/design.md). Nothing in the engine prints; it raises one of these.
+"""
+
+from __future__ import annotations
+
+
+class StrataError(Exception):
+    """Base of every error strata raises on purpose."""
+
+    exit_code = 1
+    http_status = 500
+
+
+class InvalidInput(StrataError):
+    """The request itself is wrong: a hostile path, a bad name, a malformed id."""
+
+    exit_code = 2
+    http_status = 400
+
+
+class NotFound(StrataError):
+    """A volume, branch, snapshot, object or path does not exist."""
+
+    exit_code = 4
+    http_status = 404
+
+
+class AlreadyExists(StrataError):
+    """A volume or branch of that name already exists."""
+
+    exit_code = 1
+    http_status = 409
+
+
+class Conflict(StrataError):
+    """Both sides changed the same paths since the base; nothing was published."""
+
+    exit_code = 3
+    http_status = 409
+
+    def __init__(self, paths: list[str], message: str | None = None) -> None:
+        self.paths = sorted(set(paths))
+        super().__init__(message or f"conflict on {len(self.paths)} path(s): " + ", ".join(
+            p or "/" for p in self.paths[:10]) + (" ..." if len(self.paths) > 10 else ""))
+
+
+class Corrupt(StrataError):
+    """Stored bytes fail their checksum or cannot be decoded."""
+
+    exit_code = 1
+    http_status = 500
+
+    def __init__(self, pack: str, offset: int, detail: str) -> None:
+        self.pack = pack
+        self.offset = offset
+        self.detail = detail
+        super().__init__(f"corrupt record in {pack} at offset {offset}: {detail}")
+
+
+class Unavailable(StrataError):
+    """The store is busy or changing owner; retry later."""
+
+    exit_code = 1
+    http_status = 503
+
+
+class Forbidden(StrataError):
+    """The caller may not do this (read-only, wrong scope)."""
+
+    exit_code = 1
+    http_status = 403
+
+
+class StoreFailed(StrataError):
+    """The store hit an I/O error while writing and refuses further writes."""
+
+    exit_code = 1
+    http_status = 500

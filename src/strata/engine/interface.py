@@ -1,0 +1,159 @@
+"""The `Store` interface: what every store (in-process or remote) offers.
+
+The mount, the steps runner and the CLI use only this interface, so they work
+the same against a local store directory and against a server. Contract tests
+in tests/contract/ run against every implementation.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.engine.objects import SNAPSHOT, Entry, Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeSet:
+    """What one transaction changed on one branch, as final values per path.
+
+    `changes` maps a volume-relative path to its new entry, or to None for a
+    deletion (of a whole subtree, for a directory). Every object an entry
+    refers to must already be in the store. `base` is the snapshot the
+    changes were made against; if the branch has moved since, the store
+    replays the changes onto the new head or raises `Conflict`.
+    """
+
+    volume: str
+    branch: str
+    base: str
+    changes: dict[str, Entry | None]
+    message: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+    lease: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    id: str
+    parent: str | None
+    time_ns: int
+    message: str
+    meta: dict[str, Any]
+    root: Entry
+
+    @classmethod
+    def of(cls, sid: str, snap: Snapshot) -> SnapshotInfo:
+        return cls(sid, snap.parent, snap.time_ns, snap.message, snap.meta, snap.root)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "parent": self.parent, "time": self.time_ns / 1e9,
+                "message": self.message}
+
+
+class Store(ABC):
+    """A store of volumes: objects, snapshots, and branches moved by CAS."""
+
+    block_size: int
+
+    # -- objects -------------------------------------------------------------
+
+    @abstractmethod
+    def missing(self, ids: Sequence[bytes]) -> list[bytes]:
+        """The subset of `ids` the store does not have, in the given order."""
+
+    @abstractmethod
+    def put_objects(self, objects: Sequence[tuple[int, bytes]]) -> list[bytes]:
+        """Store (kind, raw bytes) objects not already present; return all their ids.
+
+        Stored objects become durable with the next publish.
+        """
+
+    @abstractmethod
+    def get_object(self, oid: bytes) -> bytes:
+        """The raw bytes of an object; `NotFound` if absent, `Corrupt` if damaged."""
+
+    def get_range(self, oid: bytes, offset: int, length: int) -> bytes:
+        """A byte range of an object (whole-object fetch unless overridden)."""
+        return self.get_object(oid)[offset:offset + length]
+
+    # -- volumes and branches --------------------------------------------------
+
+    @abstractmethod
+    def create_volume(self, name: str) -> str:
+        """Create a volume whose branch ``live`` points at the empty snapshot."""
+
+    @abstractmethod
+    def delete_volume(self, name: str) -> None: ...
+
+    @abstractmethod
+    def list_volumes(self) -> list[str]: ...
+
+    @abstractmethod
+    def list_branches(self, volume: str) -> dict[str, str]:
+        """Branch name -> head snapshot id."""
+
+    def head(self, volume: str, branch: str) -> str:
+        heads = self.list_branches(volume)
+        if branch not in heads:
+            from strata.engine.errors import NotFound
+            raise NotFound(f"no branch {branch!r} in volume {volume!r}")
+        return heads[branch]
+
+    @abstractmethod
+    def fork(self, volume: str, new_branch: str, *, at: str | None) -> str:
+        """Create `new_branch` at snapshot `at` (None: the empty snapshot); constant time."""
+
+    @abstractmethod
+    def delete_branch(self, volume: str, branch: str) -> None: ...
+
+    @abstractmethod
+    def find_snapshot(self, prefix: str) -> str:
+        """The full id of the one snapshot whose id starts with `prefix`."""
+
+    def snapshot(self, sid: str) -> SnapshotInfo:
+        from strata.engine.errors import InvalidInput, NotFound
+        try:
+            oid = bytes.fromhex(sid)
+        except ValueError as exc:
+            raise InvalidInput(f"invalid snapshot id {sid!r}") from exc
+        raw = self.get_object(oid)
+        try:
+            snap = Snapshot.decode(raw)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise NotFound(f"{sid} is not a snapshot") from exc
+        return SnapshotInfo.of(sid, snap)
+
+    def log(self, sid: str, limit: int | None = None) -> list[SnapshotInfo]:
+        """History from `sid` back through its parents, newest first."""
+        out: list[SnapshotInfo] = []
+        cur: str | None = sid
+        while cur is not None and (limit is None or len(out) < limit):
+            info = self.snapshot(cur)
+            out.append(info)
+            cur = info.parent
+        return out
+
+    # -- publishing ------------------------------------------------------------
+
+    @abstractmethod
+    def publish(self, changesets: Sequence[ChangeSet]) -> list[str]:
+        """Publish change sets on one or more branches atomically.
+
+        Returns the new head of each branch, in order. All land or none does;
+        `Conflict` lists every conflicting path.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+SNAPSHOT_KIND = SNAPSHOT

@@ -1,0 +1,859 @@
+"""The in-process store: one directory, one owner, packs as the journal.
+
+`LocalStore` owns a store directory while it is open (an exclusive lock). It
+appends objects and commit records to the active pack, makes commits durable
+with group-commit fsync, keeps refs in memory (the durable view for readers,
+the pending view for compare-and-swap), and feeds a background indexer that
+writes LMDB off the commit path. The crash-safety order it follows is written
+out in docs/design.md; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import fcntl
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+
+from strata.engine import pack as packfmt
+from strata.engine.changes import rebase
+from strata.engine.errors import (
+    AlreadyExists,
+    Corrupt,
+    InvalidInput,
+    NotFound,
+    StoreFailed,
+    StrataError,
+    Unavailable,
+)
+from strata.engine.index import Index
+from strata.engine.interface import ChangeSet, Store
+from strata.engine.names import check_branch, check_hex_id, check_volume
+from strata.engine.objects import (
+    DEFAULT_BLOCK_SIZE,
+    EMPTY_SNAPSHOT_ID,
+    EMPTY_SNAPSHOT_RAW,
+    EMPTY_TREE,
+    FILENODE,
+    ID_LEN,
+    K_DIR,
+    K_FILE,
+    KIND_NAMES,
+    SNAPSHOT,
+    TREE,
+    Snapshot,
+    object_id,
+    packb,
+    unpackb,
+)
+from strata.engine.tree import NodeCache, Trees
+
+STORE_MAGIC = "strata-store"
+STORE_VERSION = 1
+Pos = tuple[int, int]
+Loc = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    pack_size_limit: int = 256 * 1024 * 1024
+    pack_age_limit: float = 30.0
+    block_size: int = DEFAULT_BLOCK_SIZE
+    compress: bool = True
+    lock_timeout: float = 30.0
+    index_interval: float = 0.05
+
+
+def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    """Create an empty store directory (idempotent on an existing store)."""
+    os.makedirs(path, exist_ok=True)
+    meta = os.path.join(path, "STRATA")
+    if os.path.exists(meta):
+        read_store_meta(path)
+        return
+    os.makedirs(os.path.join(path, "packs"), exist_ok=True)
+    body = json.dumps({"version": STORE_VERSION, "id": uuid.uuid4().hex,
+                       "block_size": block_size}, sort_keys=True)
+    tmp = meta + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{STORE_MAGIC} {STORE_VERSION}\n{body}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, meta)
+    _fsync_dir(path)
+
+
+def read_store_meta(path: str) -> dict[str, Any]:
+    meta = os.path.join(path, "STRATA")
+    try:
+        with open(meta) as f:
+            first = f.readline().split()
+            body = f.read()
+    except FileNotFoundError as exc:
+        raise NotFound(f"no strata store at {path} (run 'strata init')") from exc
+    if len(first) != 2 or first[0] != STORE_MAGIC:
+        raise Corrupt("STRATA", 0, "not a strata store file")
+    if int(first[1]) != STORE_VERSION:
+        raise InvalidInput(f"store format version {first[1]} is not supported")
+    return dict(json.loads(body))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class StoreLock:
+    """An exclusive flock on the store, waiting a bounded time for another owner."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path = os.path.join(path, "lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    owner = self.owner()
+                    os.close(self.fd)
+                    raise Unavailable(
+                        f"store {path} is in use by {owner}; waited {timeout:g}s for it") from None
+                time.sleep(0.02)
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def owner(self) -> str:
+        try:
+            pid = os.pread(self.fd, 32, 0).decode().strip()
+        except OSError:
+            pid = ""
+        return f"process {pid}" if pid else "another process"
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
+
+
+class LocalStore(Store):
+    """A store directory opened in this process (see the module docstring)."""
+
+    def __init__(self, path: str, config: StoreConfig | None = None) -> None:
+        self.path = os.path.abspath(path)
+        self.config = config or StoreConfig()
+        meta = read_store_meta(self.path)
+        self.store_id = bytes.fromhex(meta["id"])
+        self.block_size = int(meta.get("block_size", self.config.block_size))
+        self._lock = StoreLock(self.path, self.config.lock_timeout)
+        self._closed = False
+        self._failed: BaseException | None = None
+        self.packs_dir = os.path.join(self.path, "packs")
+        self.index_dir = os.path.join(self.path, "index")
+        self.node_cache = NodeCache()
+        self.stats = {"fsyncs": 0, "commits": 0, "objects_written": 0, "bytes_written": 0}
+        self.recovery: dict[str, Any] = {"truncated": [], "damaged": [], "replayed": 0}
+        # Append side (guarded by _append_lock).
+        self._append_lock = threading.Lock()
+        self._recent: dict[bytes, Loc] = {}
+        self._unindexed: collections.deque[tuple[Pos, str, Any]] = collections.deque()
+        self._undurable: collections.deque[tuple[Pos, list[list[Any]]]] = collections.deque()
+        self._pending_refs: dict[tuple[str, str], str] = {}
+        self._pending_vols: set[str] = set()
+        # Durability side (guarded by _cond).
+        self._cond = threading.Condition()
+        self._syncing = False
+        self._durable: Pos = (0, 0)
+        self._refs: dict[tuple[str, str], str] = {}
+        self._vols: set[str] = set()
+        self._branch_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._branch_locks_guard = threading.Lock()
+        self._read_fds: dict[int, int] = {}
+        self._read_fds_guard = threading.Lock()
+        try:
+            self._open_index_and_recover()
+        except BaseException:
+            self._lock.release()
+            raise
+        self._stop = threading.Event()
+        self._indexer = threading.Thread(target=self._index_loop, name="strata-indexer",
+                                         daemon=True)
+        self._indexer.start()
+
+    # -- opening and recovery -----------------------------------------------------
+
+    def _pack_numbers(self) -> list[int]:
+        out = []
+        for name in os.listdir(self.packs_dir):
+            if name.endswith(".pack") and len(name) == 13:
+                try:
+                    out.append(int(name[:8], 16))
+                except ValueError:
+                    continue
+        return sorted(out)
+
+    def _pack_path(self, number: int) -> str:
+        return os.path.join(self.packs_dir, packfmt.pack_name(number))
+
+    def _open_index_and_recover(self) -> None:
+        try:
+            self.index = Index(self.index_dir)
+            start = self.index.applied()
+        except Exception:  # a damaged or foreign index is rebuilt from the packs
+            Index.destroy(self.index_dir)
+            self.index = Index(self.index_dir)
+            start = None
+            self.recovery["index_rebuilt"] = True
+        self._replay(start)
+        self._vols, self._refs = self.index.load_state()
+        self._pending_vols = set(self._vols)
+        self._pending_refs = dict(self._refs)
+        self._open_writer()
+        if EMPTY_SNAPSHOT_ID not in {r for r in self._refs.values()} and not self._has(
+                bytes.fromhex(EMPTY_SNAPSHOT_ID)):
+            self.put_objects([(TREE, EMPTY_TREE), (SNAPSHOT, EMPTY_SNAPSHOT_RAW)])
+            self._commit([])
+
+    def _replay(self, start: Pos | None) -> None:
+        """Bring the index up to the end of the packs, truncating a torn tail."""
+        numbers = self._pack_numbers()
+        for number in numbers:
+            if start is not None and number < start[0]:
+                continue
+            offset = start[1] if start is not None and number == start[0] else (
+                packfmt.HEADER_SIZE)
+            path = self._pack_path(number)
+            result = packfmt.scan(path, offset)
+            name = packfmt.pack_name(number)
+            for off, reason in result.damaged:
+                self.recovery["damaged"].append({"pack": name, "offset": off, "reason": reason})
+            if result.torn:
+                size = os.path.getsize(path)
+                self.recovery["truncated"].append(
+                    {"pack": name, "offset": result.end, "bytes": size - result.end})
+                if os.stat(path).st_mode & 0o200 == 0:
+                    os.chmod(path, 0o644)
+                with open(path, "r+b") as f:
+                    f.truncate(result.end)
+                    f.flush()
+                    os.fsync(f.fileno())
+            objs: list[tuple[bytes, Loc]] = []
+            ops: list[list[Any]] = []
+            for rec in result.records:
+                if rec.rtype == packfmt.R_OBJECT:
+                    kind, oid, _n = packfmt.OBJ_HEAD.unpack_from(rec.payload)
+                    objs.append((oid, (number, rec.offset, rec.length, kind)))
+                elif rec.rtype == packfmt.R_COMMIT:
+                    try:
+                        ops.extend(unpackb(rec.payload)["ops"])
+                    except (ValueError, KeyError, TypeError):
+                        self.recovery["damaged"].append(
+                            {"pack": name, "offset": rec.offset, "reason": "bad commit payload"})
+            self.recovery["replayed"] += len(result.records)
+            self.index.apply(objs, ops, (number, result.end))
+
+    def _open_writer(self) -> None:
+        numbers = self._pack_numbers()
+        if numbers:
+            number = numbers[-1]
+            path = self._pack_path(number)
+            size = os.path.getsize(path)
+            if not packfmt.is_sealed(path) and size < self.config.pack_size_limit:
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+                os.fsync(fd)  # whatever survived the crash is now durable
+                self._set_tail(fd, number, size, time.monotonic())
+                self._durable = (number, size)
+                return
+            self._durable = (number, size)
+            number += 1
+        else:
+            number = 1
+        self._new_pack(number)
+
+    def _new_pack(self, number: int) -> None:
+        path = self._pack_path(number)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        packfmt.write_header(fd, number, self.store_id)
+        os.fsync(fd)
+        _fsync_dir(self.packs_dir)
+        self._set_tail(fd, number, packfmt.HEADER_SIZE, time.monotonic())
+
+    def _set_tail(self, fd: int, number: int, offset: int, born: float) -> None:
+        # One tuple, swapped whole, so the sync leader can read it without a lock.
+        self._tail = (fd, number, offset, born)
+
+    # -- low-level append and durability -------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise Unavailable("store is closed")
+        if self._failed is not None:
+            raise StoreFailed(f"store refused further writes after an I/O error: {self._failed}")
+
+    def _append(self, data: bytes) -> tuple[int, int]:
+        """Append bytes to the active pack; caller holds _append_lock."""
+        fd, number, offset, born = self._tail
+        if offset > packfmt.HEADER_SIZE and (
+                offset + len(data) > self.config.pack_size_limit
+                or time.monotonic() - born > self.config.pack_age_limit):
+            self._seal_locked()
+            fd, number, offset, born = self._tail
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, offset)
+            except OSError:
+                self._failed = exc
+                raise StoreFailed(f"write to pack failed and could not be undone: {exc}") from exc
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise Unavailable(f"store disk is full: {exc}") from exc
+            raise StoreFailed(f"write to pack failed: {exc}") from exc
+        self._set_tail(fd, number, offset + len(data), born)
+        self.stats["bytes_written"] += len(data)
+        return number, offset
+
+    def _seal_locked(self) -> None:
+        """Seal the active pack and start the next; caller holds _append_lock."""
+        fd, number, offset, _born = self._tail
+        seal = packfmt.seal_frame(offset)
+        os.write(fd, seal)
+        end = offset + len(seal)
+        self._unindexed.append(((number, end), "seal", None))
+        with self._cond:
+            while self._syncing:
+                self._cond.wait()
+            os.fdatasync(fd)
+            self.stats["fsyncs"] += 1
+            self._advance_durable((number, end))
+        os.close(fd)
+        os.chmod(self._pack_path(number), 0o444)
+        self._new_pack(number + 1)
+
+    def _advance_durable(self, pos: Pos) -> None:
+        """Everything up to `pos` is on disk: publish it to readers. Holds _cond."""
+        if pos > self._durable:
+            self._durable = pos
+        while self._undurable and self._undurable[0][0] <= self._durable:
+            _p, ops = self._undurable.popleft()
+            for op in ops:
+                _apply_op(op, self._vols, self._refs)
+        self._cond.notify_all()
+
+    def _wait_durable(self, pos: Pos) -> None:
+        with self._cond:
+            while self._durable < pos:
+                if self._failed is not None:
+                    raise StoreFailed(f"store failed while syncing: {self._failed}")
+                if self._syncing:
+                    self._cond.wait()
+                    continue
+                # Become the leader: one fdatasync covers every append so far.
+                fd, number, offset, _born = self._tail
+                self._syncing = True
+                self._cond.release()
+                try:
+                    os.fdatasync(fd)
+                    err: BaseException | None = None
+                except OSError as exc:
+                    err = exc
+                finally:
+                    self._cond.acquire()
+                    self._syncing = False
+                self.stats["fsyncs"] += 1
+                if err is not None:
+                    self._failed = err
+                    self._cond.notify_all()
+                    raise StoreFailed(f"fsync of the pack failed: {err}")
+                self._advance_durable((number, offset))
+
+    def _commit(self, ops: list[list[Any]],
+                expect: Sequence[tuple[str, str, str | None]] = ()) -> Pos:
+        """Append one commit record after checking CAS expectations; return its end."""
+        with self._append_lock:
+            self._check_usable()
+            for vol, br, old in expect:
+                cur = self._pending_refs.get((vol, br))
+                if cur != old:
+                    raise _CasMismatch(vol, br, old, cur)
+            payload = packb({"t": time.time_ns(), "ops": ops})
+            frame = packfmt.encode_frame(packfmt.R_COMMIT, payload)
+            number, offset = self._append(frame)
+            end = (number, offset + len(frame))
+            for op in ops:
+                _apply_op(op, self._pending_vols, self._pending_refs)
+            self._undurable.append((end, ops))
+            self._unindexed.append((end, "commit", ops))
+            self.stats["commits"] += 1
+        return end
+
+    # -- the indexer (off the commit path) -------------------------------------------
+
+    def _index_loop(self) -> None:
+        while not self._stop.wait(self.config.index_interval):
+            try:
+                self._flush_index()
+                self._maybe_seal_by_age()
+            except StrataError:
+                continue
+            except Exception as exc:  # keep serving reads; report through fsck
+                self.recovery.setdefault("indexer_errors", []).append(str(exc))
+
+    def _maybe_seal_by_age(self) -> None:
+        _fd, _n, offset, born = self._tail
+        if offset > packfmt.HEADER_SIZE and time.monotonic() - born > self.config.pack_age_limit:
+            with self._append_lock:
+                if self._failed is None and not self._closed:
+                    _fd, _n, offset, born = self._tail
+                    if (offset > packfmt.HEADER_SIZE
+                            and time.monotonic() - born > self.config.pack_age_limit):
+                        self._seal_locked()
+
+    def _flush_index(self) -> None:
+        durable = self._durable
+        objs: list[tuple[bytes, Loc]] = []
+        ops: list[list[Any]] = []
+        reached: Pos | None = None
+        while self._unindexed and self._unindexed[0][0] <= durable:
+            pos, what, payload = self._unindexed.popleft()
+            if what == "object":
+                objs.append(payload)
+            elif what == "commit":
+                ops.extend(payload)
+            reached = pos
+        if reached is None:
+            return
+        self.index.apply(objs, ops, reached)
+        for oid, _loc in objs:
+            self._recent.pop(oid, None)
+
+    # -- objects --------------------------------------------------------------------
+
+    def _locate(self, oid: bytes) -> Loc | None:
+        loc = self._recent.get(oid)
+        if loc is None:
+            loc = self.index.locate(oid)
+        return loc
+
+    def _has(self, oid: bytes) -> bool:
+        return oid in self._recent or self.index.locate(oid) is not None
+
+    def missing(self, ids: Sequence[bytes]) -> list[bytes]:
+        self._check_open()
+        out = []
+        for oid in ids:
+            if not isinstance(oid, bytes) or len(oid) != ID_LEN:
+                raise InvalidInput("object ids are 32 bytes")
+            if not self._has(oid):
+                out.append(oid)
+        return out
+
+    def put_objects(self, objects: Sequence[tuple[int, bytes]]) -> list[bytes]:
+        self._check_usable()
+        ids: list[bytes] = []
+        frames: list[tuple[bytes, int, bytes]] = []
+        seen: set[bytes] = set()
+        for kind, raw in objects:
+            if kind not in KIND_NAMES:
+                raise InvalidInput(f"unknown object kind {kind}")
+            oid = object_id(kind, raw)
+            ids.append(oid)
+            if oid in seen or self._has(oid):
+                continue
+            seen.add(oid)
+            frames.append((oid, kind, packfmt.encode_object(kind, oid, raw,
+                                                            self.config.compress)))
+        if not frames:
+            return ids
+        with self._append_lock:
+            self._check_usable()
+            todo = [f for f in frames if not self._has(f[0])]
+            if not todo:
+                return ids
+            blob = b"".join(f[2] for f in todo)
+            number, offset = self._append(blob)
+            for oid, kind, frame in todo:
+                loc = (number, offset, len(frame), kind)
+                self._recent[oid] = loc
+                offset += len(frame)
+                self._unindexed.append(((number, offset), "object", (oid, loc)))
+            self.stats["objects_written"] += len(todo)
+        return ids
+
+    def _read_fd(self, number: int) -> int:
+        fd = self._read_fds.get(number)
+        if fd is None:
+            with self._read_fds_guard:
+                fd = self._read_fds.get(number)
+                if fd is None:
+                    fd = os.open(self._pack_path(number), os.O_RDONLY)
+                    self._read_fds[number] = fd
+        return fd
+
+    def _read_frame(self, loc: Loc) -> bytes:
+        number, offset, length, _kind = loc
+        return os.pread(self._read_fd(number), length, offset)
+
+    def get_object(self, oid: bytes) -> bytes:
+        self._check_open()
+        loc = self._locate(oid)
+        if loc is None:
+            raise NotFound(f"object {oid.hex()} not found")
+        frame = self._read_frame(loc)
+        name = packfmt.pack_name(loc[0])
+        kind, stored_id, raw = packfmt.decode_object(frame, name, loc[1])
+        if stored_id != oid:
+            raise Corrupt(name, loc[1], f"index points at {stored_id.hex()}, not {oid.hex()}")
+        return raw
+
+    def object_kind(self, oid: bytes) -> int | None:
+        loc = self._locate(oid)
+        return loc[3] if loc is not None else None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable("store is closed")
+
+    # -- volumes and branches ----------------------------------------------------------
+
+    def list_volumes(self) -> list[str]:
+        self._check_open()
+        return sorted(self._vols)
+
+    def list_branches(self, volume: str) -> dict[str, str]:
+        self._check_open()
+        check_volume(volume)
+        if volume not in self._vols:
+            raise NotFound(f"no volume {volume!r}")
+        return {br: sid for (v, br), sid in sorted(self._refs.items()) if v == volume}
+
+    def head(self, volume: str, branch: str) -> str:
+        self._check_open()
+        check_volume(volume)
+        check_branch(branch)
+        sid = self._refs.get((volume, branch))
+        if sid is None:
+            if volume not in self._vols:
+                raise NotFound(f"no volume {volume!r}")
+            raise NotFound(f"no branch {branch!r} in volume {volume!r}")
+        return sid
+
+    def create_volume(self, name: str) -> str:
+        check_volume(name)
+        with self._branch_lock(name, "live"):
+            if name in self._pending_vols:
+                raise AlreadyExists(f"volume {name!r} already exists")
+            pos = self._commit([["vol+", name], ["ref", name, "live", None, EMPTY_SNAPSHOT_ID]])
+        self._wait_durable(pos)
+        return EMPTY_SNAPSHOT_ID
+
+    def delete_volume(self, name: str) -> None:
+        check_volume(name)
+        with self._append_lock:
+            if name not in self._pending_vols:
+                raise NotFound(f"no volume {name!r}")
+        pos = self._commit_retry(lambda: [["vol-", name]] + [
+            ["ref", v, b, old, None] for (v, b), old in sorted(self._pending_refs.items())
+            if v == name])
+        self._wait_durable(pos)
+
+    def _commit_retry(self, make_ops: Any) -> Pos:
+        # Ops computed from pending state, then committed only if it did not move.
+        for _ in range(100):
+            ops = make_ops()
+            expect = [(str(op[1]), str(op[2]), op[3]) for op in ops if op[0] == "ref"]
+            try:
+                return self._commit(ops, expect)
+            except _CasMismatch:
+                continue
+        raise Unavailable("store too busy to apply the change; retry")
+
+    def fork(self, volume: str, new_branch: str, *, at: str | None) -> str:
+        check_volume(volume)
+        check_branch(new_branch)
+        sid = EMPTY_SNAPSHOT_ID if at is None else check_hex_id(at)
+        if self.object_kind(bytes.fromhex(sid)) != SNAPSHOT:
+            raise NotFound(f"no snapshot {sid}")
+        with self._branch_lock(volume, new_branch):
+            if volume not in self._pending_vols:
+                raise NotFound(f"no volume {volume!r}")
+            if (volume, new_branch) in self._pending_refs:
+                raise AlreadyExists(f"branch {new_branch!r} already exists in {volume!r}")
+            pos = self._commit([["ref", volume, new_branch, None, sid]],
+                               [(volume, new_branch, None)])
+        self._wait_durable(pos)
+        return sid
+
+    def delete_branch(self, volume: str, branch: str) -> None:
+        check_volume(volume)
+        check_branch(branch)
+        with self._branch_lock(volume, branch):
+            old = self._pending_refs.get((volume, branch))
+            if old is None:
+                raise NotFound(f"no branch {branch!r} in volume {volume!r}")
+            pos = self._commit([["ref", volume, branch, old, None]], [(volume, branch, old)])
+        self._wait_durable(pos)
+
+    def find_snapshot(self, prefix: str) -> str:
+        self._check_open()
+        prefix = check_hex_id(prefix, min_len=8)
+        matches: set[str] = set()
+        for oid, loc in list(self._recent.items()):
+            if loc[3] == SNAPSHOT and oid.hex().startswith(prefix):
+                matches.add(oid.hex())
+        start = bytes.fromhex(prefix[: len(prefix) // 2 * 2])
+        for oid, loc in self.index.prefix(start):
+            h = oid.hex()
+            if not h.startswith(prefix[: len(start) * 2]):
+                break
+            if loc[3] == SNAPSHOT and h.startswith(prefix):
+                matches.add(h)
+                if len(matches) > 1:
+                    break
+        if not matches:
+            raise NotFound(f"no snapshot matches {prefix}")
+        if len(matches) > 1:
+            raise InvalidInput(f"snapshot prefix {prefix} is ambiguous")
+        return matches.pop()
+
+    # -- publishing ------------------------------------------------------------------
+
+    def _branch_lock(self, volume: str, branch: str) -> threading.Lock:
+        with self._branch_locks_guard:
+            lock = self._branch_locks.get((volume, branch))
+            if lock is None:
+                lock = self._branch_locks[(volume, branch)] = threading.Lock()
+            return lock
+
+    def publish(self, changesets: Sequence[ChangeSet]) -> list[str]:
+        self._check_usable()
+        if not changesets:
+            raise InvalidInput("nothing to publish")
+        keys = []
+        for cs in changesets:
+            check_volume(cs.volume)
+            check_branch(cs.branch)
+            check_hex_id(cs.base)
+            keys.append((cs.volume, cs.branch))
+        if len(set(keys)) != len(keys):
+            raise InvalidInput("a branch appears twice in one publish")
+        self._check_refs_exist(changesets)
+        locks = [self._branch_lock(v, b) for v, b in sorted(keys)]
+        for lock in locks:
+            lock.acquire()
+        try:
+            trees = Trees(self, self.node_cache)
+            results: list[str] = []
+            new_objects: list[tuple[int, bytes]] = []
+            ops: list[list[Any]] = []
+            expect: list[tuple[str, str, str | None]] = []
+            for cs in changesets:
+                head = self._pending_refs.get((cs.volume, cs.branch))
+                if head is None:
+                    if cs.volume not in self._pending_vols:
+                        raise NotFound(f"no volume {cs.volume!r}")
+                    raise NotFound(f"no branch {cs.branch!r} in volume {cs.volume!r}")
+                base_root = self.snapshot(cs.base).root
+                head_root = base_root if head == cs.base else self.snapshot(head).root
+                root = rebase(trees, base_root, head_root, cs.changes)
+                if root == head_root:
+                    results.append(head)
+                    continue
+                raw = Snapshot(root=root, parent=head, time_ns=time.time_ns(),
+                               message=cs.message, meta=cs.meta).encode()
+                sid = object_id(SNAPSHOT, raw).hex()
+                new_objects.append((SNAPSHOT, raw))
+                ops.append(["ref", cs.volume, cs.branch, head, sid])
+                expect.append((cs.volume, cs.branch, head))
+                results.append(sid)
+            if ops:
+                self.put_objects([(TREE, raw) for raw in trees.new.values()] + new_objects)
+                pos = self._commit(ops, expect)
+            else:
+                pos = (self._tail[1], self._tail[2])
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+        self._wait_durable(pos)
+        return results
+
+    def _check_refs_exist(self, changesets: Sequence[ChangeSet]) -> None:
+        want: dict[bytes, int] = {}
+        for cs in changesets:
+            if not isinstance(cs.changes, dict):
+                raise InvalidInput("changes must map paths to entries")
+            for path, e in cs.changes.items():
+                if e is None or e.ref is None:
+                    continue
+                if e.kind == K_FILE:
+                    want[e.ref] = FILENODE
+                elif e.kind == K_DIR:
+                    want[e.ref] = TREE
+                else:
+                    raise InvalidInput(f"entry for {path!r} has a reference it cannot use")
+        for oid, kind in want.items():
+            if not isinstance(oid, bytes) or len(oid) != ID_LEN:
+                raise InvalidInput("entry reference is not a 32-byte id")
+            have = self.object_kind(oid)
+            if have is None:
+                raise InvalidInput(f"change set refers to object {oid.hex()} the store lacks")
+            if have != kind:
+                raise InvalidInput(f"object {oid.hex()} is a {KIND_NAMES.get(have)}, "
+                                   f"not a {KIND_NAMES[kind]}")
+
+    # -- maintenance ---------------------------------------------------------------------
+
+    def sync_index(self) -> None:
+        """Write everything durable into LMDB now (normally the indexer does this)."""
+        self._flush_index()
+
+    def fsck(self) -> dict[str, Any]:
+        """Verify every record of every pack, the index, and every branch's tree."""
+        self.sync_index()
+        report: dict[str, Any] = {"packs": 0, "records": 0, "objects": 0, "damaged": [],
+                                  "missing": [], "index_mismatch": 0, "unreachable_refs": []}
+        located: dict[bytes, Loc] = {}
+        for number in self._pack_numbers():
+            name = packfmt.pack_name(number)
+            path = self._pack_path(number)
+            report["packs"] += 1
+            result = packfmt.scan(path)
+            for off, reason in result.damaged:
+                report["damaged"].append({"pack": name, "offset": off, "reason": reason})
+            if result.torn and number != self._tail[1]:
+                report["damaged"].append({"pack": name, "offset": result.end,
+                                          "reason": "truncated tail"})
+            for rec in result.records:
+                report["records"] += 1
+                if rec.rtype != packfmt.R_OBJECT:
+                    continue
+                try:
+                    kind, oid, raw = packfmt.object_from_record(rec, name)
+                except Corrupt as exc:
+                    report["damaged"].append({"pack": name, "offset": rec.offset,
+                                              "reason": exc.detail})
+                    continue
+                if object_id(kind, raw) != oid:
+                    report["damaged"].append({"pack": name, "offset": rec.offset,
+                                              "reason": "content does not match its id"})
+                    continue
+                report["objects"] += 1
+                located.setdefault(oid, (number, rec.offset, rec.length, kind))
+        for oid, loc in self.index.iter_objects():
+            if located.get(oid) != loc:
+                report["index_mismatch"] += 1
+        seen: set[bytes] = set()
+        for (vol, br), sid in sorted(self._refs.items()):
+            self._check_reachable(bytes.fromhex(sid), located, seen, report, f"{vol}@{br}")
+        report["ok"] = not (report["damaged"] or report["missing"] or report["index_mismatch"])
+        return report
+
+    def _check_reachable(self, sid: bytes, located: dict[bytes, Loc], seen: set[bytes],
+                         report: dict[str, Any], where: str) -> None:
+        stack: list[tuple[bytes, int]] = [(sid, SNAPSHOT)]
+        while stack:
+            oid, kind = stack.pop()
+            if oid in seen:
+                continue
+            seen.add(oid)
+            if oid not in located:
+                report["missing"].append({"object": oid.hex(), "kind": KIND_NAMES[kind],
+                                          "from": where})
+                continue
+            try:
+                raw = self.get_object(oid)
+                if kind == SNAPSHOT:
+                    snap = Snapshot.decode(raw)
+                    if snap.root.ref is not None:
+                        stack.append((snap.root.ref, TREE))
+                    if snap.parent is not None:
+                        stack.append((bytes.fromhex(snap.parent), SNAPSHOT))
+                elif kind == TREE:
+                    from strata.engine.objects import TreeNode
+                    node = TreeNode.decode(raw)
+                    for child in node.children:
+                        stack.append((child[1], TREE))
+                    for _n, e in node.entries:
+                        if e.ref is not None:
+                            stack.append((e.ref, TREE if e.kind == K_DIR else FILENODE))
+                elif kind == FILENODE:
+                    from strata.engine.objects import BLOCK, ZERO_ID, FileNode
+                    for b in FileNode.decode(raw).blocks:
+                        if b != ZERO_ID:
+                            stack.append((b, BLOCK))
+            except (Corrupt, ValueError) as exc:
+                report["damaged"].append({"object": oid.hex(), "reason": str(exc)})
+
+    def rebuild_index(self) -> dict[str, Any]:
+        """Throw the index away and rebuild it by replaying every pack."""
+        self.sync_index()
+        with self._append_lock:
+            self.index.close()
+            Index.destroy(self.index_dir)
+            self.index = Index(self.index_dir)
+            self._replay(None)
+            vols, refs = self.index.load_state()
+        return {"volumes": len(vols), "branches": len(refs),
+                "objects": self.index.count_objects()}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._stop.set()
+        self._indexer.join()
+        with self._append_lock:
+            fd, number, offset, _b = self._tail
+            if self._failed is None:
+                try:
+                    self._wait_durable((number, offset))
+                    self._flush_index()
+                except StrataError:
+                    pass
+            self._closed = True
+            os.close(fd)
+        for rfd in self._read_fds.values():
+            os.close(rfd)
+        self._read_fds.clear()
+        self.index.close()
+        self._lock.release()
+
+
+class _CasMismatch(Exception):
+    def __init__(self, vol: str, br: str, old: str | None, cur: str | None) -> None:
+        super().__init__(f"{vol}@{br}: expected {old}, found {cur}")
+
+
+def _apply_op(op: list[Any], vols: set[str], refs: dict[tuple[str, str], str]) -> None:
+    kind = op[0]
+    if kind == "vol+":
+        vols.add(op[1])
+    elif kind == "vol-":
+        vols.discard(op[1])
+        for key in [k for k in refs if k[0] == op[1]]:
+            del refs[key]
+    elif kind == "ref":
+        if op[4] is None:
+            refs.pop((op[1], op[2]), None)
+        else:
+            refs[(op[1], op[2])] = op[4]
+
+
+def hash_file_id(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()

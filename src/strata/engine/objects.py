@@ -1,0 +1,231 @@
+"""Content-addressed objects: blocks, file nodes, tree nodes, snapshots.
+
+An object id is BLAKE3-256 over one kind byte followed by the object's raw
+bytes, so equal content of the same kind always has the same id and is stored
+once. This module encodes and decodes objects; it never reads or writes files.
+The byte layouts are documented in docs/format.md.
+"""
+
+from __future__ import annotations
+
+import stat as statmod
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import blake3
+import msgpack
+
+from strata.engine.errors import InvalidInput
+
+# Object kinds (the first byte hashed into every id).
+BLOCK = 1
+FILENODE = 2
+TREE = 3
+SNAPSHOT = 4
+KIND_NAMES = {BLOCK: "block", FILENODE: "file", TREE: "tree", SNAPSHOT: "snapshot"}
+
+# Entry kinds.
+K_FILE = 1
+K_DIR = 2
+K_SYMLINK = 3
+K_FIFO = 4
+K_CHR = 5
+K_BLK = 6
+K_SOCK = 7
+ENTRY_KIND_NAMES = {K_FILE: "file", K_DIR: "dir", K_SYMLINK: "symlink", K_FIFO: "fifo",
+                    K_CHR: "chardev", K_BLK: "blockdev", K_SOCK: "socket"}
+_IFMT = {K_FILE: statmod.S_IFREG, K_DIR: statmod.S_IFDIR, K_SYMLINK: statmod.S_IFLNK,
+         K_FIFO: statmod.S_IFIFO, K_CHR: statmod.S_IFCHR, K_BLK: statmod.S_IFBLK,
+         K_SOCK: statmod.S_IFSOCK}
+
+ID_LEN = 32
+ZERO_ID = bytes(ID_LEN)
+INLINE_MAX = 4096          # files up to this size keep their bytes in the entry
+DEFAULT_BLOCK_SIZE = 64 * 1024
+
+
+def object_id(kind: int, raw: bytes) -> bytes:
+    """BLAKE3-256 of the kind byte followed by the raw object bytes."""
+    h = blake3.blake3(bytes((kind,)))
+    h.update(raw)
+    return h.digest()
+
+
+def packb(obj: Any) -> bytes:
+    """Canonical msgpack encoding used for every structured object."""
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpackb(raw: bytes) -> Any:
+    """Decode msgpack written by `packb`; raises ValueError on malformed input."""
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"malformed object encoding: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One name in a directory: its type, metadata and content reference.
+
+    For files, `ref` names a file node and `data` is None, or `ref` is None and
+    `data` holds the whole (small) content inline. For directories, `ref` names
+    the tree node; in a change set a directory entry with `ref` None means
+    "make sure this directory exists with these attributes" and merges with
+    concurrent changes beneath it. For symlinks `data` is the target. `ino` is
+    non-zero for files that are hard-linked: every entry of a link group
+    carries the same `ino`, content and `nlink`.
+    """
+
+    kind: int
+    mode: int = 0o644
+    uid: int = 0
+    gid: int = 0
+    mtime_ns: int = 0
+    size: int = 0
+    ref: bytes | None = None
+    data: bytes | None = None
+    rdev: int = 0
+    xattrs: tuple[tuple[bytes, bytes], ...] = ()
+    ino: int = 0
+    nlink: int = 1
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind == K_DIR
+
+    @property
+    def st_mode(self) -> int:
+        """The full st_mode (file type bits plus permission bits)."""
+        return _IFMT[self.kind] | (self.mode & 0o7777)
+
+    def attrs(self) -> tuple[int, int, int, tuple[tuple[bytes, bytes], ...]]:
+        """The attributes that matter for conflicts (mtime excluded)."""
+        return (self.mode & 0o7777, self.uid, self.gid, self.xattrs)
+
+    def with_(self, **changes: Any) -> Entry:
+        return replace(self, **changes)
+
+    def to_list(self) -> list[Any]:
+        return [self.kind, self.mode, self.uid, self.gid, self.mtime_ns, self.size, self.ref,
+                self.data, self.rdev, [list(x) for x in self.xattrs] or None, self.ino,
+                self.nlink]
+
+    @classmethod
+    def from_list(cls, v: list[Any]) -> Entry:
+        if not isinstance(v, list) or len(v) < 12:
+            raise ValueError("malformed entry")
+        xattrs = tuple((bytes(k), bytes(val)) for k, val in v[9]) if v[9] else ()
+        e = cls(kind=int(v[0]), mode=int(v[1]), uid=int(v[2]), gid=int(v[3]),
+                mtime_ns=int(v[4]), size=int(v[5]), ref=v[6], data=v[7], rdev=int(v[8]),
+                xattrs=xattrs, ino=int(v[10]), nlink=int(v[11]))
+        if e.kind not in ENTRY_KIND_NAMES:
+            raise ValueError(f"unknown entry kind {e.kind}")
+        return e
+
+
+def dir_entry(mode: int = 0o755, *, ref: bytes | None = None, uid: int = 0, gid: int = 0,
+              mtime_ns: int = 0) -> Entry:
+    return Entry(kind=K_DIR, mode=mode, uid=uid, gid=gid, mtime_ns=mtime_ns, ref=ref)
+
+
+@dataclass(frozen=True, slots=True)
+class FileNode:
+    """A file's size and its blocks in order; a zero id marks a hole."""
+
+    size: int
+    block_size: int
+    blocks: tuple[bytes, ...]
+
+    def encode(self) -> bytes:
+        return packb([1, self.size, self.block_size, list(self.blocks)])
+
+    @classmethod
+    def decode(cls, raw: bytes) -> FileNode:
+        v = unpackb(raw)
+        if not isinstance(v, list) or len(v) != 4 or v[0] != 1:
+            raise ValueError("malformed file node")
+        return cls(size=int(v[1]), block_size=int(v[2]), blocks=tuple(bytes(b) for b in v[3]))
+
+
+@dataclass(frozen=True, slots=True)
+class TreeNode:
+    """One node of a directory's B-tree.
+
+    Level 0 nodes hold (name, Entry) pairs sorted by name; higher levels hold
+    (first name, child id, entry count) triples.
+    """
+
+    level: int
+    entries: tuple[tuple[bytes, Entry], ...] = ()
+    children: tuple[tuple[bytes, bytes, int], ...] = ()
+
+    def encode(self) -> bytes:
+        if self.level == 0:
+            return packb([0, [[n, *e.to_list()] for n, e in self.entries]])
+        return packb([self.level, [list(c) for c in self.children]])
+
+    @classmethod
+    def decode(cls, raw: bytes) -> TreeNode:
+        v = unpackb(raw)
+        if not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], int):
+            raise ValueError("malformed tree node")
+        if v[0] == 0:
+            return cls(0, entries=tuple((bytes(x[0]), Entry.from_list(x[1:])) for x in v[1]))
+        return cls(v[0], children=tuple((bytes(c[0]), bytes(c[1]), int(c[2])) for c in v[1]))
+
+    @property
+    def count(self) -> int:
+        if self.level == 0:
+            return len(self.entries)
+        return sum(c[2] for c in self.children)
+
+    @property
+    def first(self) -> bytes:
+        if self.level == 0:
+            return self.entries[0][0] if self.entries else b""
+        return self.children[0][0] if self.children else b""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """An immutable version of a volume: its root directory plus history."""
+
+    root: Entry
+    parent: str | None
+    time_ns: int
+    message: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return packb({"v": 1, "root": self.root.to_list(), "parent": self.parent,
+                      "time": self.time_ns, "msg": self.message, "meta": self.meta})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Snapshot:
+        v = unpackb(raw)
+        if not isinstance(v, dict) or v.get("v") != 1:
+            raise ValueError("malformed snapshot")
+        return cls(root=Entry.from_list(v["root"]), parent=v["parent"], time_ns=int(v["time"]),
+                   message=str(v["msg"]), meta=dict(v["meta"]))
+
+
+EMPTY_TREE = TreeNode(0).encode()
+EMPTY_TREE_ID = object_id(TREE, EMPTY_TREE)
+EMPTY_SNAPSHOT = Snapshot(root=dir_entry(0o755, ref=EMPTY_TREE_ID), parent=None, time_ns=0)
+EMPTY_SNAPSHOT_RAW = EMPTY_SNAPSHOT.encode()
+EMPTY_SNAPSHOT_ID = object_id(SNAPSHOT, EMPTY_SNAPSHOT_RAW).hex()
+
+
+def check_entry(e: Entry) -> None:
+    """Refuse structurally impossible entries sent by a client."""
+    if e.kind not in ENTRY_KIND_NAMES:
+        raise InvalidInput(f"unknown entry kind {e.kind}")
+    if e.size < 0 or e.mode < 0 or e.mode > 0o7777 or e.uid < 0 or e.gid < 0:
+        raise InvalidInput("entry has a negative size, owner or an invalid mode")
+    if e.ref is not None and len(e.ref) != ID_LEN:
+        raise InvalidInput("entry reference is not a 32-byte id")
+    if e.kind == K_FILE and e.ref is None and len(e.data or b"") != e.size:
+        raise InvalidInput("inline file data does not match its size")
+    if e.kind == K_SYMLINK and not e.data:
+        raise InvalidInput("symlink without a target")

@@ -1,0 +1,329 @@
+"""Directory trees: split B-tree nodes, path lookup, batch update and diff.
+
+A directory is a B-tree of `TreeNode`s. Leaves end where an entry name's
+CRC-32 hits a boundary pattern (content-defined, so an insert or delete moves
+only nearby boundaries), and no node holds more than `MAX_FANOUT` items. A
+one-entry change in a 100k-entry directory therefore rewrites one leaf and the
+few index nodes above it.
+
+This module works on any object source with `get_object`; it never touches
+packs or the index directly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
+
+from strata.engine.errors import InvalidInput, NotFound
+from strata.engine.objects import (
+    EMPTY_TREE_ID,
+    K_DIR,
+    TREE,
+    Entry,
+    TreeNode,
+    object_id,
+)
+
+TARGET_FANOUT = 64
+BOUNDARY_MASK = TARGET_FANOUT - 1
+MAX_FANOUT = 256
+T = TypeVar("T", bound=tuple[Any, ...])
+
+
+class ObjectSource(Protocol):
+    def get_object(self, oid: bytes) -> bytes: ...
+
+
+class NodeCache:
+    """A bounded LRU of decoded tree nodes; nodes are immutable, so sharing is safe."""
+
+    def __init__(self, capacity: int = 20000) -> None:
+        self._d: OrderedDict[bytes, TreeNode] = OrderedDict()
+        self._cap = capacity
+
+    def get(self, oid: bytes) -> TreeNode | None:
+        node = self._d.get(oid)
+        if node is not None:
+            self._d.move_to_end(oid)
+        return node
+
+    def put(self, oid: bytes, node: TreeNode) -> None:
+        self._d[oid] = node
+        if len(self._d) > self._cap:
+            self._d.popitem(last=False)
+
+
+def _is_boundary(name: bytes, level: int) -> bool:
+    return (zlib.crc32(name, level) & BOUNDARY_MASK) == 0
+
+
+def _chunk(items: Sequence[T], level: int) -> list[list[T]]:
+    """Cut sorted items (whose first field is the name) at content-defined boundaries."""
+    chunks: list[list[T]] = []
+    cur: list[T] = []
+    for item in items:
+        cur.append(item)
+        if _is_boundary(item[0], level) or len(cur) >= MAX_FANOUT:
+            chunks.append(cur)
+            cur = []
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+class Trees:
+    """Reads and writes directory trees through an object source.
+
+    New nodes are kept in `self.new` (id -> raw bytes) until the caller stores
+    them; reads see them too, so a batch of updates can build on itself.
+    """
+
+    def __init__(self, source: ObjectSource, cache: NodeCache | None = None) -> None:
+        self.source = source
+        self.cache = cache if cache is not None else NodeCache()
+        self.new: dict[bytes, bytes] = {}
+
+    # -- nodes ---------------------------------------------------------------
+
+    def node(self, oid: bytes) -> TreeNode:
+        node = self.cache.get(oid)
+        if node is None:
+            raw = self.new.get(oid)
+            if raw is None:
+                raw = self.source.get_object(oid)
+            try:
+                node = TreeNode.decode(raw)
+            except (ValueError, TypeError, KeyError, IndexError) as exc:
+                raise NotFound(f"object {oid.hex()} is not a tree node: {exc}") from exc
+            self.cache.put(oid, node)
+        return node
+
+    def _store(self, node: TreeNode) -> bytes:
+        raw = node.encode()
+        oid = object_id(TREE, raw)
+        if oid not in self.new:
+            self.new[oid] = raw
+            self.cache.put(oid, node)
+        return oid
+
+    # -- reading -------------------------------------------------------------
+
+    def iter_dir(self, oid: bytes) -> Iterator[tuple[bytes, Entry]]:
+        node = self.node(oid)
+        if node.level == 0:
+            yield from node.entries
+        else:
+            for _first, child, _count in node.children:
+                yield from self.iter_dir(child)
+
+    def count(self, oid: bytes) -> int:
+        return self.node(oid).count
+
+    def lookup(self, oid: bytes, name: bytes) -> Entry | None:
+        node = self.node(oid)
+        while node.level > 0:
+            firsts = [c[0] for c in node.children]
+            i = max(bisect.bisect_right(firsts, name) - 1, 0)
+            node = self.node(node.children[i][1])
+        names = [n for n, _ in node.entries]
+        i = bisect.bisect_left(names, name)
+        if i < len(names) and names[i] == name:
+            return node.entries[i][1]
+        return None
+
+    def leaves(self, oid: bytes) -> list[bytes]:
+        node = self.node(oid)
+        if node.level == 0:
+            return [oid]
+        out: list[bytes] = []
+        for _f, child, _c in node.children:
+            out.extend(self.leaves(child))
+        return out
+
+    def resolve(self, root: Entry, parts: Sequence[str]) -> Entry | None:
+        """The entry at `parts` below `root`, or None if any component is missing."""
+        cur: Entry | None = root
+        for part in parts:
+            if cur is None or cur.kind != K_DIR or cur.ref is None:
+                return None
+            cur = self.lookup(cur.ref, encode_name(part))
+        return cur
+
+    def walk(self, root: Entry, prefix: str = "") -> Iterator[tuple[str, Entry]]:
+        """Every (path, entry) below `root`, parents before children, in name order."""
+        if root.kind != K_DIR or root.ref is None:
+            return
+        for name, e in self.iter_dir(root.ref):
+            path = f"{prefix}/{decode_name(name)}" if prefix else decode_name(name)
+            yield path, e
+            if e.kind == K_DIR:
+                yield from self.walk(e, path)
+
+    # -- writing -------------------------------------------------------------
+
+    def build(self, entries: Sequence[tuple[bytes, Entry]]) -> bytes:
+        """Store a directory from entries sorted by name; return its root node id."""
+        if not entries:
+            return EMPTY_TREE_ID
+        level_items: list[tuple[bytes, bytes, int]] = []
+        for chunk in _chunk(entries, 0):
+            node = TreeNode(0, entries=tuple(chunk))
+            level_items.append((chunk[0][0], self._store(node), len(chunk)))
+        return self._build_up(level_items, 1)
+
+    def _build_up(self, items: list[tuple[bytes, bytes, int]], level: int) -> bytes:
+        while len(items) > 1:
+            nxt: list[tuple[bytes, bytes, int]] = []
+            for chunk in _chunk(items, level):
+                node = TreeNode(level, children=tuple(chunk))
+                nxt.append((chunk[0][0], self._store(node), node.count))
+            items = nxt
+            level += 1
+        return items[0][1]
+
+    def update(self, oid: bytes, edits: dict[bytes, Entry | None]) -> bytes:
+        """Apply set (Entry) and delete (None) edits to a directory; return the new id."""
+        if not edits:
+            return oid
+        root = self.node(oid)
+        items = self._update(root, sorted(edits.items()))
+        if not items:
+            return EMPTY_TREE_ID
+        new_id = self._build_up(items, root.level + 1) if len(items) > 1 else items[0][1]
+        node = self.node(new_id)
+        while node.level > 0 and len(node.children) == 1:
+            new_id = node.children[0][1]
+            node = self.node(new_id)
+        return new_id
+
+    def _update(self, node: TreeNode, edits: list[tuple[bytes, Entry | None]]
+                ) -> list[tuple[bytes, bytes, int]]:
+        if node.level == 0:
+            merged = dict(node.entries)
+            for name, e in edits:
+                if e is None:
+                    merged.pop(name, None)
+                else:
+                    merged[name] = e
+            out = []
+            for chunk in _chunk(sorted(merged.items()), 0):
+                leaf = TreeNode(0, entries=tuple(chunk))
+                out.append((chunk[0][0], self._store(leaf), len(chunk)))
+            return out
+        firsts = [c[0] for c in node.children]
+        groups: dict[int, list[tuple[bytes, Entry | None]]] = {}
+        for name, e in edits:
+            i = max(bisect.bisect_right(firsts, name) - 1, 0)
+            groups.setdefault(i, []).append((name, e))
+        children: list[tuple[bytes, bytes, int]] = []
+        for i, child in enumerate(node.children):
+            if i in groups:
+                children.extend(self._update(self.node(child[1]), groups[i]))
+            else:
+                children.append(child)
+        out = []
+        for kids in _chunk(children, node.level):
+            inner = TreeNode(node.level, children=tuple(kids))
+            out.append((kids[0][0], self._store(inner), inner.count))
+        return out
+
+    def apply(self, root: Entry, changes: Sequence[tuple[tuple[str, ...], Entry | None]],
+              *, merge_time: Callable[[int, int], int] = max) -> Entry:
+        """Apply path-level changes to a directory entry; return the new entry.
+
+        A directory entry with `ref` None merges with what is there: an existing
+        directory keeps its contents and takes the new attributes (mtime is the
+        later of the two); anything else is replaced by an empty directory.
+        """
+        if root.kind != K_DIR or root.ref is None:
+            raise InvalidInput("changes apply only to a directory")
+        direct: dict[str, Entry | None] = {}
+        deeper: dict[str, list[tuple[tuple[str, ...], Entry | None]]] = {}
+        for parts, e in changes:
+            if not parts:
+                raise InvalidInput("empty path in change set")
+            if len(parts) == 1:
+                direct[parts[0]] = e
+            else:
+                deeper.setdefault(parts[0], []).append((parts[1:], e))
+        edits: dict[bytes, Entry | None] = {}
+        for name in direct.keys() | deeper.keys():
+            bname = encode_name(name)
+            cur = self.lookup(root.ref, bname)
+            if name in direct:
+                new = direct[name]
+                if new is not None and new.kind == K_DIR and new.ref is None:
+                    if cur is not None and cur.kind == K_DIR:
+                        new = new.with_(ref=cur.ref,
+                                        mtime_ns=merge_time(cur.mtime_ns, new.mtime_ns))
+                    else:
+                        new = new.with_(ref=EMPTY_TREE_ID)
+            else:
+                new = cur
+            if name in deeper:
+                if new is None or new.kind != K_DIR:
+                    raise NotFound(f"parent directory {name!r} does not exist")
+                new = self.apply(new, deeper[name], merge_time=merge_time)
+            edits[bname] = new
+        return root.with_(ref=self.update(root.ref, edits))
+
+    # -- diff ----------------------------------------------------------------
+
+    def diff(self, a: Entry | None, b: Entry | None, prefix: str = ""
+             ) -> Iterator[tuple[str, Entry | None, Entry | None]]:
+        """Leaf-level differences between two directories, in path order.
+
+        Yields (path, old, new). Directories present on both sides are entered;
+        a directory's own line appears when its attributes changed or when it
+        was added or removed (its contents follow as added or removed).
+        """
+        a_ref = a.ref if a is not None and a.kind == K_DIR else None
+        b_ref = b.ref if b is not None and b.kind == K_DIR else None
+        if a_ref == b_ref:
+            return
+        a_items = self._unshared(a_ref, b_ref)
+        b_items = self._unshared(b_ref, a_ref)
+        names = sorted(a_items.keys() | b_items.keys())
+        for name in names:
+            ea, eb = a_items.get(name), b_items.get(name)
+            if ea == eb:
+                continue
+            path = f"{prefix}/{decode_name(name)}" if prefix else decode_name(name)
+            a_dir = ea is not None and ea.kind == K_DIR
+            b_dir = eb is not None and eb.kind == K_DIR
+            if a_dir and b_dir:
+                assert ea is not None and eb is not None
+                if ea.attrs() != eb.attrs() or ea.mtime_ns != eb.mtime_ns:
+                    yield path, ea, eb
+                yield from self.diff(ea, eb, path)
+                continue
+            if a_dir:
+                yield from self.diff(ea, None, path)
+                yield path, ea, (eb if eb is not None else None)
+                continue
+            yield path, ea, eb
+            if b_dir:
+                yield from self.diff(None, eb, path)
+
+    def _unshared(self, oid: bytes | None, other: bytes | None) -> dict[bytes, Entry]:
+        if oid is None:
+            return {}
+        mine = self.leaves(oid)
+        theirs = set(self.leaves(other)) if other is not None else set()
+        out: dict[bytes, Entry] = {}
+        for leaf in mine:
+            if leaf not in theirs:
+                out.update(self.node(leaf).entries)
+        return out
+
+
+def encode_name(name: str) -> bytes:
+    return name.encode("utf-8", "surrogateescape")
+
+
+def decode_name(name: bytes) -> str:
+    return name.decode("utf-8", "surrogateescape")

@@ -1,0 +1,504 @@
+"""Transactions: stage changes against a pinned snapshot, then publish them.
+
+A `Transaction` pins a branch's head, lets the caller read and change files
+as if the snapshot were a private copy, and on `commit` sends the change set
+to the store, which replays it onto a moved head or reports a conflict. It
+works against any `Store` (in-process or remote): content is cut into blocks
+here and only blocks the store lacks are uploaded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from strata.engine.errors import AlreadyExists, InvalidInput, NotFound
+from strata.engine.interface import ChangeSet, Store
+from strata.engine.names import check_branch, check_volume, split_path
+from strata.engine.objects import (
+    BLOCK,
+    EMPTY_TREE_ID,
+    FILENODE,
+    INLINE_MAX,
+    K_DIR,
+    K_FILE,
+    K_SYMLINK,
+    ZERO_ID,
+    Entry,
+    FileNode,
+    object_id,
+)
+from strata.engine.tree import NodeCache, Trees, decode_name, encode_name
+
+FLUSH_BYTES = 8 * 1024 * 1024
+
+
+class ContentWriter:
+    """Cuts file content into blocks and file nodes, uploading in batches.
+
+    Objects wait in `pending` until `flush`, which asks the store which ones it
+    lacks and uploads only those. Reads see pending objects too.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.block_size = store.block_size
+        self.pending: dict[bytes, tuple[int, bytes]] = {}
+        self._pending_bytes = 0
+
+    def get_object(self, oid: bytes) -> bytes:
+        hit = self.pending.get(oid)
+        if hit is not None:
+            return hit[1]
+        return self.store.get_object(oid)
+
+    def add(self, kind: int, raw: bytes) -> bytes:
+        oid = object_id(kind, raw)
+        if oid not in self.pending:
+            self.pending[oid] = (kind, raw)
+            self._pending_bytes += len(raw)
+            if self._pending_bytes >= FLUSH_BYTES:
+                self.flush()
+        return oid
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        ids = list(self.pending)
+        lacking = set(self.store.missing(ids))
+        objs = [self.pending[i] for i in ids if i in lacking]
+        for start in range(0, len(objs), 256):
+            self.store.put_objects(objs[start:start + 256])
+        self.pending.clear()
+        self._pending_bytes = 0
+
+    def block(self, data: bytes) -> bytes:
+        if data == bytes(len(data)):
+            return ZERO_ID
+        return self.add(BLOCK, data)
+
+    def file_entry(self, data: bytes, base: Entry) -> Entry:
+        """An entry holding `data`, with the metadata of `base`."""
+        if len(data) <= INLINE_MAX:
+            return base.with_(kind=K_FILE, size=len(data), data=data, ref=None)
+        bs = self.block_size
+        blocks = tuple(self.block(data[i:i + bs]) for i in range(0, len(data), bs))
+        return self.node_entry(blocks, len(data), base)
+
+    def node_entry(self, blocks: Sequence[bytes], size: int, base: Entry) -> Entry:
+        if size <= INLINE_MAX:
+            data = b"".join(self.read_block(b, self._blen(i, size)) for i, b in enumerate(blocks))
+            return base.with_(kind=K_FILE, size=size, data=data[:size], ref=None)
+        node = FileNode(size=size, block_size=self.block_size, blocks=tuple(blocks))
+        return base.with_(kind=K_FILE, size=size, ref=self.add(FILENODE, node.encode()),
+                          data=None)
+
+    def _blen(self, i: int, size: int) -> int:
+        return max(0, min(self.block_size, size - i * self.block_size))
+
+    def read_block(self, oid: bytes, length: int) -> bytes:
+        if oid == ZERO_ID:
+            return bytes(length)
+        raw = self.get_object(oid)
+        return raw + bytes(length - len(raw)) if len(raw) < length else raw[:length]
+
+    def blocks_of(self, e: Entry) -> tuple[list[bytes], int]:
+        """A file's block ids (re-cut to this writer's block size) and its size."""
+        if e.ref is None:
+            data = e.data or b""
+            bs = self.block_size
+            return [self.block(data[i:i + bs]) for i in range(0, len(data), bs)], len(data)
+        node = FileNode.decode(self.get_object(e.ref))
+        if node.block_size != self.block_size:
+            data = self.read(e)
+            bs = self.block_size
+            return [self.block(data[i:i + bs]) for i in range(0, len(data), bs)], len(data)
+        return list(node.blocks), node.size
+
+    def read(self, e: Entry, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes of a file entry; only the blocks covering the range are fetched."""
+        if e.kind != K_FILE:
+            raise InvalidInput("not a regular file")
+        end = e.size if length is None else min(e.size, offset + length)
+        if offset >= end:
+            return b""
+        if e.ref is None:
+            return (e.data or b"")[offset:end]
+        node = FileNode.decode(self.get_object(e.ref))
+        bs = node.block_size
+        out = []
+        for i in range(offset // bs, (end - 1) // bs + 1):
+            blk = self.read_block(node.blocks[i], min(bs, node.size - i * bs))
+            lo = max(offset - i * bs, 0)
+            hi = min(end - i * bs, bs)
+            out.append(blk[lo:hi])
+        return b"".join(out)
+
+    def splice(self, e: Entry, offset: int, data: bytes | None, new_size: int | None = None
+               ) -> Entry:
+        """Write `data` at `offset` (and/or resize) touching only the affected blocks."""
+        blocks, size = self.blocks_of(e)
+        bs = self.block_size
+        if new_size is None:
+            new_size = max(size, offset + len(data or b""))
+        nblocks = -(-new_size // bs)
+        touched: set[int] = set()
+        if data:
+            touched.update(range(offset // bs, (offset + len(data) - 1) // bs + 1))
+        if size and new_size != size:
+            last_old = (size - 1) // bs
+            if last_old < nblocks:
+                touched.add(last_old)
+        old_blocks = blocks
+        blocks = (blocks + [ZERO_ID] * nblocks)[:nblocks]
+        for i in sorted(touched):
+            if i >= nblocks:
+                continue
+            blen = min(bs, new_size - i * bs)
+            old = self.read_block(old_blocks[i], min(bs, max(0, size - i * bs))) if (
+                i < len(old_blocks)) else b""
+            buf = bytearray(old[:blen])
+            buf.extend(bytes(blen - len(buf)))
+            if data:
+                lo = max(offset, i * bs)
+                hi = min(offset + len(data), i * bs + blen)
+                if lo < hi:
+                    buf[lo - i * bs:hi - i * bs] = data[lo - offset:hi - offset]
+            blocks[i] = self.block(bytes(buf))
+        return self.node_entry(blocks, new_size, e)
+
+
+class Transaction:
+    """Staged changes to one branch, read through as a private copy of its snapshot."""
+
+    def __init__(self, store: Store, volume: str, branch: str = "live", *,
+                 base: str | None = None, cache: NodeCache | None = None) -> None:
+        self.store = store
+        self.volume = check_volume(volume)
+        self.branch = check_branch(branch)
+        self.base = base if base is not None else store.head(volume, branch)
+        self.content = ContentWriter(store)
+        self.trees = Trees(self.content, cache)
+        self.base_root = store.snapshot(self.base).root
+        self.changes: dict[str, Entry | None] = {}
+        self._children: dict[str, set[str]] = {}
+
+    # -- the view ----------------------------------------------------------------
+
+    def _set(self, key: str, e: Entry | None) -> None:
+        self.changes[key] = e
+        if key:
+            parent, _, name = key.rpartition("/")
+            self._children.setdefault(parent, set()).add(name)
+
+    def _drop_under(self, key: str) -> None:
+        prefix = key + "/" if key else ""
+        for k in [k for k in self.changes if k.startswith(prefix) and k != key]:
+            del self.changes[k]
+        for k in [k for k in self._children if k == key or k.startswith(prefix)]:
+            del self._children[k]
+
+    def _root(self) -> Entry:
+        e = self.changes.get("")
+        return self.base_root if e is None else e.with_(ref=self.base_root.ref)
+
+    def _resolve(self, parts: tuple[str, ...], *, skip_last: bool = False) -> Entry | None:
+        cur: Entry | None = self._root()
+        for i, name in enumerate(parts):
+            if cur is None or cur.kind != K_DIR:
+                return None
+            under = self.trees.lookup(cur.ref, encode_name(name)) if cur.ref else None
+            key = "/".join(parts[:i + 1])
+            if key in self.changes and not (skip_last and i == len(parts) - 1):
+                e = self.changes[key]
+                if e is not None and e.kind == K_DIR and e.ref is None:
+                    e = e.with_(ref=under.ref if under is not None and under.kind == K_DIR
+                                else EMPTY_TREE_ID)
+                cur = e
+            else:
+                cur = under
+        return cur
+
+    def lookup(self, path: str) -> Entry | None:
+        """The entry at `path` as this transaction sees it, or None."""
+        return self._resolve(split_path(path))
+
+    def _need(self, path: str) -> Entry:
+        e = self.lookup(path)
+        if e is None:
+            raise NotFound(f"no such file or directory: {path!r}")
+        return e
+
+    def _need_dir_parent(self, parts: tuple[str, ...]) -> None:
+        if not parts:
+            raise InvalidInput("operation not allowed on the volume root")
+        parent = self._resolve(parts[:-1])
+        if parent is None:
+            raise NotFound(f"parent directory of {'/'.join(parts)!r} does not exist")
+        if parent.kind != K_DIR:
+            raise InvalidInput(f"parent of {'/'.join(parts)!r} is not a directory")
+
+    def listdir(self, path: str = "") -> list[tuple[str, Entry]]:
+        parts = split_path(path)
+        d = self._resolve(parts)
+        if d is None:
+            raise NotFound(f"no such directory: {path!r}")
+        if d.kind != K_DIR:
+            raise InvalidInput(f"not a directory: {path!r}")
+        out: dict[str, Entry] = {}
+        if d.ref is not None:
+            for name, e in self.trees.iter_dir(d.ref):
+                out[decode_name(name)] = e
+        for cname in self._children.get(path, ()):
+            child = f"{path}/{cname}" if path else cname
+            ce = self._resolve(split_path(child))
+            if ce is None:
+                out.pop(cname, None)
+            else:
+                out[cname] = ce
+        return sorted(out.items())
+
+    def walk(self, path: str = "") -> Iterator[tuple[str, Entry]]:
+        for name, e in self.listdir(path):
+            child = f"{path}/{name}" if path else name
+            yield child, e
+            if e.kind == K_DIR:
+                yield from self.walk(child)
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        e = self._need(path)
+        if e.kind == K_SYMLINK:
+            raise InvalidInput(f"{path!r} is a symlink")
+        if e.kind != K_FILE:
+            raise InvalidInput(f"{path!r} is not a regular file")
+        return self.content.read(e, offset, length)
+
+    # -- changes -------------------------------------------------------------------
+
+    def _put_file(self, path: str, new: Entry) -> Entry:
+        """Set a file entry, keeping every member of its hard-link group in step."""
+        if new.ino:
+            for other, e in list(self._group(new.ino)):
+                if other != path:
+                    self._set(other, new.with_(xattrs=new.xattrs) if e is not None else new)
+        self._set(path, new)
+        return new
+
+    def _group(self, ino: int) -> Iterator[tuple[str, Entry]]:
+        for p, e in self.walk(""):
+            if e.kind == K_FILE and e.ino == ino:
+                yield p, e
+
+    def write(self, path: str, data: bytes, *, mode: int | None = None,
+              mtime_ns: int | None = None, uid: int | None = None,
+              gid: int | None = None) -> Entry:
+        """Replace the whole content of a file, creating it if needed."""
+        parts = split_path(path)
+        self._need_dir_parent(parts)
+        old = self._resolve(parts)
+        if old is not None and old.kind != K_FILE:
+            raise InvalidInput(f"{path!r} exists and is not a regular file")
+        base = old if old is not None else Entry(kind=K_FILE)
+        base = base.with_(mode=base.mode if mode is None else mode,
+                          uid=base.uid if uid is None else uid,
+                          gid=base.gid if gid is None else gid,
+                          mtime_ns=time.time_ns() if mtime_ns is None else mtime_ns)
+        return self._put_file(path, self.content.file_entry(bytes(data), base))
+
+    def write_at(self, path: str, offset: int, data: bytes) -> Entry:
+        """Write bytes at an offset of an existing file (holes fill with zeros)."""
+        if offset < 0:
+            raise InvalidInput("negative offset")
+        e = self._need(path)
+        if e.kind != K_FILE:
+            raise InvalidInput(f"{path!r} is not a regular file")
+        new = self.content.splice(e, offset, bytes(data)).with_(mtime_ns=time.time_ns())
+        return self._put_file(path, new)
+
+    def truncate(self, path: str, size: int) -> Entry:
+        if size < 0:
+            raise InvalidInput("negative size")
+        e = self._need(path)
+        if e.kind != K_FILE:
+            raise InvalidInput(f"{path!r} is not a regular file")
+        new = self.content.splice(e, 0, None, new_size=size).with_(mtime_ns=time.time_ns())
+        return self._put_file(path, new)
+
+    def mkdir(self, path: str, mode: int = 0o755, *, parents: bool = False,
+              exist_ok: bool = False, mtime_ns: int | None = None) -> None:
+        parts = split_path(path)
+        if not parts:
+            if exist_ok:
+                return
+            raise AlreadyExists("the root directory exists")
+        if parents:
+            for i in range(1, len(parts)):
+                sub = "/".join(parts[:i])
+                if self._resolve(parts[:i]) is None:
+                    self.mkdir(sub, 0o755)
+        self._need_dir_parent(parts)
+        old = self._resolve(parts)
+        if old is not None:
+            if exist_ok and old.kind == K_DIR:
+                return
+            raise AlreadyExists(f"{path!r} already exists")
+        now = time.time_ns() if mtime_ns is None else mtime_ns
+        self._set(path, Entry(kind=K_DIR, mode=mode, mtime_ns=now))
+
+    def symlink(self, path: str, target: str, *, mtime_ns: int | None = None) -> None:
+        parts = split_path(path)
+        self._need_dir_parent(parts)
+        if self._resolve(parts) is not None:
+            raise AlreadyExists(f"{path!r} already exists")
+        if not target or "\0" in target:
+            raise InvalidInput("symlink target must be non-empty and contain no NUL")
+        data = target.encode("utf-8", "surrogateescape")
+        self._set(path, Entry(kind=K_SYMLINK, mode=0o777, size=len(data), data=data,
+                              mtime_ns=time.time_ns() if mtime_ns is None else mtime_ns))
+
+    def set_entry(self, path: str, e: Entry) -> None:
+        """Set a raw entry (special files, or metadata restored by import)."""
+        parts = split_path(path)
+        self._need_dir_parent(parts)
+        self._set(path, e)
+
+    def hardlink(self, src: str, dst: str) -> None:
+        e = self._need(src)
+        if e.kind != K_FILE:
+            raise InvalidInput("hard links are only supported for regular files")
+        parts = split_path(dst)
+        self._need_dir_parent(parts)
+        if self._resolve(parts) is not None:
+            raise AlreadyExists(f"{dst!r} already exists")
+        ino = e.ino or int.from_bytes(object_id(0, f"{src}\0{time.time_ns()}".encode())[:6],
+                                      "little") | 1
+        members = [p for p, _ in self._group(e.ino)] if e.ino else [src]
+        new = e.with_(ino=ino, nlink=len(members) + 1)
+        for p in members:
+            self._set(p, new)
+        self._set(dst, new)
+
+    def rename(self, src: str, dst: str, *, noreplace: bool = False) -> None:
+        """Atomic rename with POSIX rules (a directory may replace an empty one)."""
+        sparts, dparts = split_path(src), split_path(dst)
+        if not sparts or not dparts:
+            raise InvalidInput("cannot rename the volume root")
+        if dparts[:len(sparts)] == sparts:
+            if dparts == sparts:
+                return
+            raise InvalidInput(f"cannot move {src!r} inside itself")
+        e = self._need(src)
+        self._need_dir_parent(dparts)
+        old = self._resolve(dparts)
+        if old is not None:
+            if noreplace:
+                raise AlreadyExists(f"{dst!r} already exists")
+            if old.kind == K_DIR and e.kind != K_DIR:
+                raise InvalidInput(f"cannot replace directory {dst!r} with a non-directory")
+            if old.kind != K_DIR and e.kind == K_DIR:
+                raise InvalidInput(f"cannot replace non-directory {dst!r} with a directory")
+            if old.kind == K_DIR and self.listdir(dst):
+                raise InvalidInput(f"directory {dst!r} is not empty")
+            if old.kind == K_FILE and old.ino:
+                self._unlink_member(dst, old)
+        moved = {k[len(src):]: v for k, v in self.changes.items() if k.startswith(src + "/")}
+        self._drop_under(dst)
+        self._set(dst, e)
+        for suffix, v in sorted(moved.items()):
+            self._set(dst + suffix, v)
+        self._delete(src)
+
+    def _delete(self, path: str) -> None:
+        parts = split_path(path)
+        self._drop_under(path)
+        if self._resolve(parts, skip_last=True) is None:
+            self.changes.pop(path, None)  # nothing underneath: nothing to delete
+        else:
+            self._set(path, None)
+
+    def _unlink_member(self, path: str, e: Entry) -> None:
+        rest = [p for p, _ in self._group(e.ino) if p != path]
+        for p in rest:
+            self._set(p, e.with_(nlink=len(rest), ino=e.ino if len(rest) > 1 else 0))
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        e = self._need(path)
+        if not split_path(path):
+            raise InvalidInput("cannot remove the volume root")
+        if e.kind == K_DIR and not recursive and self.listdir(path):
+            raise InvalidInput(f"directory {path!r} is not empty")
+        if e.kind == K_FILE and e.ino:
+            self._unlink_member(path, e)
+        self._delete(path)
+
+    def _set_attrs(self, path: str, **attrs: Any) -> None:
+        e = self._need(path)
+        if e.kind == K_DIR:
+            cur = self.changes.get(path)
+            keep_ref = cur is not None and cur.ref is not None
+            self._set(path, e.with_(ref=e.ref if keep_ref else None, **attrs))
+        elif e.kind == K_FILE:
+            self._put_file(path, e.with_(**attrs))
+        else:
+            self._set(path, e.with_(**attrs))
+
+    def chmod(self, path: str, mode: int) -> None:
+        if not 0 <= mode <= 0o7777:
+            raise InvalidInput(f"invalid mode {mode:o}")
+        self._set_attrs(path, mode=mode)
+
+    def chown(self, path: str, uid: int, gid: int) -> None:
+        if uid < 0 or gid < 0:
+            raise InvalidInput("negative owner")
+        self._set_attrs(path, uid=uid, gid=gid)
+
+    def utimes(self, path: str, mtime_ns: int) -> None:
+        self._set_attrs(path, mtime_ns=mtime_ns)
+
+    def setxattr(self, path: str, name: bytes, value: bytes) -> None:
+        if not name or b"\0" in name or len(name) > 255:
+            raise InvalidInput("invalid xattr name")
+        e = self._need(path)
+        xattrs = dict(e.xattrs)
+        xattrs[bytes(name)] = bytes(value)
+        self._set_attrs(path, xattrs=tuple(sorted(xattrs.items())))
+
+    def removexattr(self, path: str, name: bytes) -> None:
+        e = self._need(path)
+        xattrs = dict(e.xattrs)
+        if name not in xattrs:
+            raise NotFound(f"no xattr {name!r} on {path!r}")
+        del xattrs[name]
+        self._set_attrs(path, xattrs=tuple(sorted(xattrs.items())))
+
+    # -- publishing ----------------------------------------------------------------
+
+    def changeset(self, message: str = "", meta: dict[str, Any] | None = None) -> ChangeSet:
+        self.content.flush()
+        return ChangeSet(self.volume, self.branch, self.base, dict(self.changes), message,
+                         dict(meta or {}))
+
+    def commit(self, message: str = "", meta: dict[str, Any] | None = None) -> str:
+        """Publish; on success the transaction continues from the new snapshot."""
+        (sid,) = self.store.publish([self.changeset(message, meta)])
+        self._rebase_to(sid)
+        return sid
+
+    def _rebase_to(self, sid: str) -> None:
+        self.base = sid
+        self.base_root = self.store.snapshot(sid).root
+        self.changes.clear()
+        self._children.clear()
+
+
+def commit_all(txns: Sequence[Transaction], message: str = "",
+               meta: dict[str, Any] | None = None) -> list[str]:
+    """Publish several transactions (of several volumes) in one atomic commit."""
+    if not txns:
+        return []
+    store = txns[0].store
+    ids = store.publish([t.changeset(message, meta) for t in txns])
+    for t, sid in zip(txns, ids, strict=True):
+        t._rebase_to(sid)
+    return ids

@@ -32,14 +32,17 @@ def parse_changes(changes: dict[str, Entry | None]
             raise InvalidInput("the root directory cannot be deleted")
         out.append((parts, e))
     out.sort(key=lambda pe: pe[0])
-    seen_deleted: list[tuple[str, ...]] = []
+    # Sorted as tuples, a path's descendants follow it contiguously, so only the
+    # latest deleted (or non-directory) path can be an ancestor: one check per
+    # path keeps this linear (a list of every one made 20k-file imports O(n^2)).
+    blocker: tuple[str, ...] | None = None
     for parts, e in out:
-        for d in seen_deleted:
-            if parts[:len(d)] == d and len(parts) > len(d):
-                raise InvalidInput(
-                    f"change set both deletes {'/'.join(d)!r} and changes {'/'.join(parts)!r}")
+        if blocker is not None and len(parts) > len(blocker) and (
+                parts[:len(blocker)] == blocker):
+            raise InvalidInput(
+                f"change set both deletes {'/'.join(blocker)!r} and changes {'/'.join(parts)!r}")
         if e is None or e.kind != K_DIR:
-            seen_deleted.append(parts)
+            blocker = parts
     return out
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata.engine.objects import SNAPSHOT, Entry, Snapshot
+from strata.engine.tree import NodeCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class Store(ABC):
     """A store of volumes: objects, snapshots, and branches moved by CAS."""
 
     block_size: int
+    node_cache: NodeCache
 
     # -- objects -------------------------------------------------------------
 

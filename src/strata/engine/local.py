@@ -36,7 +36,7 @@ from strata.engine.errors import (
     Unavailable,
 )
 from strata.engine.index import Index
-from strata.engine.interface import ChangeSet, Store
+from strata.engine.interface import ChangeSet, SnapshotInfo, Store
 from strata.engine.names import check_branch, check_hex_id, check_volume
 from strata.engine.objects import (
     DEFAULT_BLOCK_SIZE,
@@ -58,6 +58,7 @@ from strata.engine.objects import (
 from strata.engine.tree import NodeCache, Trees
 
 STORE_MAGIC = "strata-store"
+GROUP_COMMIT_LINGER = 0.0005  # seconds a sync leader waits for in-flight publishes
 STORE_VERSION = 1
 Pos = tuple[int, int]
 Loc = tuple[int, int, int, int]
@@ -165,6 +166,7 @@ class LocalStore(Store):
         self.packs_dir = os.path.join(self.path, "packs")
         self.index_dir = os.path.join(self.path, "index")
         self.node_cache = NodeCache()
+        self._snap_cache: dict[str, SnapshotInfo] = {}
         self.stats = {"fsyncs": 0, "commits": 0, "objects_written": 0, "bytes_written": 0}
         self.recovery: dict[str, Any] = {"truncated": [], "damaged": [], "replayed": 0}
         # Append side (guarded by _append_lock).
@@ -177,6 +179,7 @@ class LocalStore(Store):
         # Durability side (guarded by _cond).
         self._cond = threading.Condition()
         self._syncing = False
+        self._inflight = 0  # publishes between start and commit append
         self._durable: Pos = (0, 0)
         self._refs: dict[tuple[str, str], str] = {}
         self._vols: set[str] = set()
@@ -358,12 +361,19 @@ class LocalStore(Store):
         self._cond.notify_all()
 
     def _wait_durable(self, pos: Pos) -> None:
+        lingered = False
         with self._cond:
             while self._durable < pos:
                 if self._failed is not None:
                     raise StoreFailed(f"store failed while syncing: {self._failed}")
                 if self._syncing:
                     self._cond.wait()
+                    continue
+                if self._inflight > 0 and not lingered:
+                    # Other publishes are about to append: give them a moment to
+                    # join this fsync instead of paying for the next one.
+                    lingered = True
+                    self._cond.wait(GROUP_COMMIT_LINGER)
                     continue
                 # Become the leader: one fdatasync covers every append so far.
                 fd, number, offset, _born = self._tail
@@ -385,8 +395,13 @@ class LocalStore(Store):
                 self._advance_durable((number, offset))
 
     def _commit(self, ops: list[list[Any]],
-                expect: Sequence[tuple[str, str, str | None]] = ()) -> Pos:
-        """Append one commit record after checking CAS expectations; return its end."""
+                expect: Sequence[tuple[str, str, str | None]] = (),
+                frames: Sequence[tuple[bytes, int, bytes]] = ()) -> Pos:
+        """Append objects and one commit record after checking CAS; return its end.
+
+        The objects go first, in the same write, so the commit record never
+        reaches the disk before what it refers to.
+        """
         with self._append_lock:
             self._check_usable()
             for vol, br, old in expect:
@@ -395,7 +410,7 @@ class LocalStore(Store):
                     raise _CasMismatch(vol, br, old, cur)
             payload = packb({"t": time.time_ns(), "ops": ops})
             frame = packfmt.encode_frame(packfmt.R_COMMIT, payload)
-            number, offset = self._append(frame)
+            number, offset = self._append_records_locked(frames, frame)
             end = (number, offset + len(frame))
             for op in ops:
                 _apply_op(op, self._pending_vols, self._pending_refs)
@@ -467,6 +482,16 @@ class LocalStore(Store):
 
     def put_objects(self, objects: Sequence[tuple[int, bytes]]) -> list[bytes]:
         self._check_usable()
+        ids, frames = self._frame_objects(objects)
+        if frames:
+            with self._append_lock:
+                self._check_usable()
+                self._append_records_locked(frames)
+        return ids
+
+    def _frame_objects(self, objects: Sequence[tuple[int, bytes]]
+                       ) -> tuple[list[bytes], list[tuple[bytes, int, bytes]]]:
+        """Hash and frame the objects the store lacks (outside any lock)."""
         ids: list[bytes] = []
         frames: list[tuple[bytes, int, bytes]] = []
         seen: set[bytes] = set()
@@ -480,22 +505,26 @@ class LocalStore(Store):
             seen.add(oid)
             frames.append((oid, kind, packfmt.encode_object(kind, oid, raw,
                                                             self.config.compress)))
-        if not frames:
-            return ids
-        with self._append_lock:
-            self._check_usable()
-            todo = [f for f in frames if not self._has(f[0])]
-            if not todo:
-                return ids
-            blob = b"".join(f[2] for f in todo)
-            number, offset = self._append(blob)
-            for oid, kind, frame in todo:
-                loc = (number, offset, len(frame), kind)
-                self._recent[oid] = loc
-                offset += len(frame)
-                self._unindexed.append(((number, offset), "object", (oid, loc)))
-            self.stats["objects_written"] += len(todo)
-        return ids
+        return ids, frames
+
+    def _append_records_locked(self, frames: Sequence[tuple[bytes, int, bytes]],
+                               tail: bytes = b"") -> Pos:
+        """Append object frames (skipping any stored meanwhile) and then `tail`.
+
+        One write for all of it; returns the position where `tail` starts.
+        Caller holds _append_lock.
+        """
+        todo = [f for f in frames if not self._has(f[0])]
+        if not todo and not tail:
+            return (self._tail[1], self._tail[2])
+        number, offset = self._append(b"".join(f[2] for f in todo) + tail)
+        for oid, kind, frame in todo:
+            loc = (number, offset, len(frame), kind)
+            self._recent[oid] = loc
+            offset += len(frame)
+            self._unindexed.append(((number, offset), "object", (oid, loc)))
+        self.stats["objects_written"] += len(todo)
+        return number, offset
 
     def _read_fd(self, number: int) -> int:
         fd = self._read_fds.get(number)
@@ -522,6 +551,15 @@ class LocalStore(Store):
         if stored_id != oid:
             raise Corrupt(name, loc[1], f"index points at {stored_id.hex()}, not {oid.hex()}")
         return raw
+
+    def snapshot(self, sid: str) -> SnapshotInfo:
+        info = self._snap_cache.get(sid)
+        if info is None:
+            info = super().snapshot(sid)
+            if len(self._snap_cache) > 4096:
+                self._snap_cache.clear()
+            self._snap_cache[sid] = info
+        return info
 
     def object_kind(self, oid: bytes) -> int | None:
         loc = self._locate(oid)
@@ -656,6 +694,8 @@ class LocalStore(Store):
             raise InvalidInput("a branch appears twice in one publish")
         self._check_refs_exist(changesets)
         locks = [self._branch_lock(v, b) for v, b in sorted(keys)]
+        with self._cond:
+            self._inflight += 1
         for lock in locks:
             lock.acquire()
         try:
@@ -684,15 +724,23 @@ class LocalStore(Store):
                 expect.append((cs.volume, cs.branch, head))
                 results.append(sid)
             if ops:
-                self.put_objects([(TREE, raw) for raw in trees.new.values()] + new_objects)
-                pos = self._commit(ops, expect)
+                _ids, frames = self._frame_objects(
+                    [(TREE, raw) for raw in trees.new.values()] + new_objects)
+                pos = self._commit(ops, expect, frames)
             else:
                 pos = (self._tail[1], self._tail[2])
         finally:
             for lock in reversed(locks):
                 lock.release()
+            self._publish_done()
         self._wait_durable(pos)
         return results
+
+    def _publish_done(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._cond.notify_all()
 
     def _check_refs_exist(self, changesets: Sequence[ChangeSet]) -> None:
         want: dict[bytes, int] = {}

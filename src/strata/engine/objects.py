@@ -9,6 +9,7 @@ The byte layouts are documented in docs/format.md.
 from __future__ import annotations
 
 import stat as statmod
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,9 +52,15 @@ def object_id(kind: int, raw: bytes) -> bytes:
     return h.digest()
 
 
+_packers = threading.local()
+
+
 def packb(obj: Any) -> bytes:
     """Canonical msgpack encoding used for every structured object."""
-    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+    packer = getattr(_packers, "p", None)
+    if packer is None:  # msgpack.packb builds a Packer per call; keep one per thread
+        packer = _packers.p = msgpack.Packer(use_bin_type=True)
+    return packer.pack(obj)  # type: ignore[no-any-return]
 
 
 def unpackb(raw: bytes) -> Any:

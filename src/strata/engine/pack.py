@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -39,8 +40,21 @@ F_ZSTD = 1
 OBJ_HEAD = struct.Struct("<B32sI")  # kind, id, raw length
 OBJ_HEAD_SIZE = OBJ_HEAD.size  # 37
 
-_zc = zstandard.ZstdCompressor(level=1)
-_zd = zstandard.ZstdDecompressor()
+_local = threading.local()  # zstd contexts are not thread-safe: one pair per thread
+
+
+def _zc() -> zstandard.ZstdCompressor:
+    c: zstandard.ZstdCompressor | None = getattr(_local, "zc", None)
+    if c is None:
+        c = _local.zc = zstandard.ZstdCompressor(level=1)
+    return c
+
+
+def _zd() -> zstandard.ZstdDecompressor:
+    d: zstandard.ZstdDecompressor | None = getattr(_local, "zd", None)
+    if d is None:
+        d = _local.zd = zstandard.ZstdDecompressor()
+    return d
 
 
 def pack_name(number: int) -> str:
@@ -58,7 +72,7 @@ def encode_object(kind: int, oid: bytes, raw: bytes, compress: bool) -> bytes:
     flags = 0
     body = raw
     if compress and len(raw) >= 512:
-        packed = _zc.compress(raw)
+        packed = _zc().compress(raw)
         if len(packed) <= len(raw) - (len(raw) >> 3):
             body, flags = packed, F_ZSTD
     return encode_frame(R_OBJECT, OBJ_HEAD.pack(kind, oid, len(raw)) + body, flags)
@@ -80,7 +94,7 @@ def _object_payload(flags: int, payload: bytes, pack: str, offset: int
     body = payload[OBJ_HEAD_SIZE:]
     if flags & F_ZSTD:
         try:
-            body = _zd.decompress(body, max_output_size=raw_len)
+            body = _zd().decompress(body, max_output_size=raw_len)
         except zstandard.ZstdError as exc:
             raise Corrupt(pack, offset, f"zstd: {exc}") from exc
     if len(body) != raw_len:

@@ -13,6 +13,7 @@ packs or the index directly.
 from __future__ import annotations
 
 import bisect
+import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -44,17 +45,20 @@ class NodeCache:
     def __init__(self, capacity: int = 20000) -> None:
         self._d: OrderedDict[bytes, TreeNode] = OrderedDict()
         self._cap = capacity
+        self._lock = threading.Lock()
 
     def get(self, oid: bytes) -> TreeNode | None:
-        node = self._d.get(oid)
-        if node is not None:
-            self._d.move_to_end(oid)
-        return node
+        with self._lock:
+            node = self._d.get(oid)
+            if node is not None:
+                self._d.move_to_end(oid)
+            return node
 
     def put(self, oid: bytes, node: TreeNode) -> None:
-        self._d[oid] = node
-        if len(self._d) > self._cap:
-            self._d.popitem(last=False)
+        with self._lock:
+            self._d[oid] = node
+            if len(self._d) > self._cap:
+                self._d.popitem(last=False)
 
 
 def _is_boundary(name: bytes, level: int) -> bool:

@@ -179,7 +179,7 @@ class Transaction:
         self.branch = check_branch(branch)
         self.base = base if base is not None else store.head(volume, branch)
         self.content = ContentWriter(store)
-        self.trees = Trees(self.content, cache)
+        self.trees = Trees(self.content, cache if cache is not None else store.node_cache)
         self.base_root = store.snapshot(self.base).root
         self.changes: dict[str, Entry | None] = {}
         self._children: dict[str, set[str]] = {}

@@ -354,10 +354,14 @@ class LocalStore(Store):
         """Everything up to `pos` is on disk: publish it to readers. Holds _cond."""
         if pos > self._durable:
             self._durable = pos
-        while self._undurable and self._undurable[0][0] <= self._durable:
-            _p, ops = self._undurable.popleft()
-            for op in ops:
-                _apply_op(op, self._vols, self._refs)
+        if self._undurable and self._undurable[0][0] <= self._durable:
+            # Copy, change, swap: readers iterate the old dicts without a lock.
+            vols, refs = set(self._vols), dict(self._refs)
+            while self._undurable and self._undurable[0][0] <= self._durable:
+                _p, ops = self._undurable.popleft()
+                for op in ops:
+                    _apply_op(op, vols, refs)
+            self._vols, self._refs = vols, refs
         self._cond.notify_all()
 
     def _wait_durable(self, pos: Pos) -> None:
@@ -653,8 +657,10 @@ class LocalStore(Store):
         self._check_open()
         prefix = check_hex_id(prefix, min_len=8)
         matches: set[str] = set()
+        durable = self._durable
         for oid, loc in list(self._recent.items()):
-            if loc[3] == SNAPSHOT and oid.hex().startswith(prefix):
+            if (loc[3] == SNAPSHOT and (loc[0], loc[1] + loc[2]) <= durable
+                    and oid.hex().startswith(prefix)):
                 matches.add(oid.hex())
         start = bytes.fromhex(prefix[: len(prefix) // 2 * 2])
         for oid, loc in self.index.prefix(start):

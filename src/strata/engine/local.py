@@ -74,16 +74,28 @@ class StoreConfig:
     index_interval: float = 0.05
 
 
-def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
+               pack_size_limit: int | None = None, pack_age_limit: float | None = None) -> None:
     """Create an empty store directory (idempotent on an existing store)."""
+    if not 4096 <= block_size <= 16 * 1024 * 1024:
+        raise InvalidInput("block size must be between 4 KiB and 16 MiB")
     os.makedirs(path, exist_ok=True)
     meta = os.path.join(path, "STRATA")
     if os.path.exists(meta):
         read_store_meta(path)
         return
     os.makedirs(os.path.join(path, "packs"), exist_ok=True)
-    body = json.dumps({"version": STORE_VERSION, "id": uuid.uuid4().hex,
-                       "block_size": block_size}, sort_keys=True)
+    settings: dict[str, Any] = {"version": STORE_VERSION, "id": uuid.uuid4().hex,
+                                "block_size": block_size}
+    if pack_size_limit is not None:
+        if pack_size_limit < 1024 * 1024:
+            raise InvalidInput("pack size limit must be at least 1 MiB")
+        settings["pack_size_limit"] = pack_size_limit
+    if pack_age_limit is not None:
+        if pack_age_limit <= 0:
+            raise InvalidInput("pack age limit must be positive")
+        settings["pack_age_limit"] = pack_age_limit
+    body = json.dumps(settings, sort_keys=True)
     tmp = meta + ".tmp"
     with open(tmp, "w") as f:
         f.write(f"{STORE_MAGIC} {STORE_VERSION}\n{body}\n")
@@ -158,6 +170,10 @@ class LocalStore(Store):
         self.path = os.path.abspath(path)
         self.config = config or StoreConfig()
         meta = read_store_meta(self.path)
+        if config is None:  # settings chosen at init time, unless the caller overrides
+            self.config = StoreConfig(
+                pack_size_limit=int(meta.get("pack_size_limit", self.config.pack_size_limit)),
+                pack_age_limit=float(meta.get("pack_age_limit", self.config.pack_age_limit)))
         self.store_id = bytes.fromhex(meta["id"])
         self.block_size = int(meta.get("block_size", self.config.block_size))
         self._lock = StoreLock(self.path, self.config.lock_timeout)

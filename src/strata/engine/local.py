@@ -58,7 +58,7 @@ from strata.engine.objects import (
 from strata.engine.tree import NodeCache, Trees
 
 STORE_MAGIC = "strata-store"
-GROUP_COMMIT_LINGER = 0.0005  # seconds a sync leader waits for in-flight publishes
+GROUP_COMMIT_LINGER = 0.001  # seconds a sync leader waits for in-flight publishes
 STORE_VERSION = 1
 Pos = tuple[int, int]
 Loc = tuple[int, int, int, int]

@@ -66,6 +66,10 @@ class Unavailable(StrataError):
     exit_code = 1
     http_status = 503
 
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        self.retry_after = retry_after
+        super().__init__(message)
+
 
 class Forbidden(StrataError):
     """The caller may not do this (read-only, wrong scope)."""

@@ -13,12 +13,14 @@ import os
 import shutil
 import struct
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import lmdb
 
 INDEX_VERSION = 1
 LOC = struct.Struct("<IQIB")  # pack number, frame offset, frame length, object kind
 POS = struct.Struct("<IQ")    # pack number, offset
+LEASE = struct.Struct("<QQ")  # fencing token, expiry (ns since the epoch); holder follows
 
 
 class Index:
@@ -33,6 +35,7 @@ class Index:
         self.refs = self.env.open_db(b"refs")
         self.volumes = self.env.open_db(b"volumes")
         self.meta = self.env.open_db(b"meta")
+        self.leases = self.env.open_db(b"leases")
         with self.env.begin(write=True) as txn:
             v = txn.get(b"version", db=self.meta)
             if v is None:
@@ -82,6 +85,15 @@ class Index:
                 refs[(vol, br)] = bytes(v).hex()
         return vols, refs
 
+    def load_leases(self) -> dict[tuple[str, str], tuple[int, int, str]]:
+        out: dict[tuple[str, str], tuple[int, int, str]] = {}
+        with self.env.begin(db=self.leases) as txn:
+            for k, v in txn.cursor():
+                vol, br = bytes(k).decode().split("\0", 1)
+                fencing, expires = LEASE.unpack_from(v)
+                out[(vol, br)] = (fencing, expires, bytes(v)[LEASE.size:].decode())
+        return out
+
     def count_objects(self) -> int:
         with self.env.begin(db=self.objects) as txn:
             return int(txn.stat(self.objects)["entries"])
@@ -94,7 +106,7 @@ class Index:
     # -- the one writer -----------------------------------------------------------
 
     def apply(self, objects: list[tuple[bytes, tuple[int, int, int, int]]],
-              ops: list[list[object]], applied: tuple[int, int]) -> None:
+              ops: list[list[Any]], applied: tuple[int, int]) -> None:
         """Write a batch of replayed records and the position they reach, atomically."""
         with self.env.begin(write=True) as txn:
             for oid, loc in objects:
@@ -108,7 +120,7 @@ def _refkey(vol: str, br: str) -> bytes:
     return f"{vol}\0{br}".encode()
 
 
-def apply_op_lmdb(txn: lmdb.Transaction, op: list[object], ix: Index) -> None:
+def apply_op_lmdb(txn: lmdb.Transaction, op: list[Any], ix: Index) -> None:
     kind = op[0]
     if kind == "vol+":
         txn.put(str(op[1]).encode(), b"", db=ix.volumes)
@@ -121,6 +133,10 @@ def apply_op_lmdb(txn: lmdb.Transaction, op: list[object], ix: Index) -> None:
             while bytes(cur.key()).startswith(prefix):
                 if not cur.delete():
                     break
+    elif kind == "lease":
+        holder = str(op[5]).encode()
+        txn.put(_refkey(str(op[1]), str(op[2])), LEASE.pack(int(op[3]), int(op[4])) + holder,
+                db=ix.leases)
     elif kind == "ref":
         key = _refkey(str(op[1]), str(op[2]))
         new = op[4]

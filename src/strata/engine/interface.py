@@ -10,10 +10,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from strata.engine.objects import SNAPSHOT, Entry, Snapshot
 from strata.engine.tree import NodeCache
+
+
+class Lease(NamedTuple):
+    """A time-limited right to publish to one branch; `fencing` only ever grows."""
+
+    fencing: int
+    expires_ns: int
+    holder: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +41,7 @@ class ChangeSet:
     changes: dict[str, Entry | None]
     message: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
-    lease: str | None = None
+    lease: int | None = None   # fencing token of the lease held on the branch, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +145,19 @@ class Store(ABC):
             out.append(info)
             cur = info.parent
         return out
+
+    # -- leases ----------------------------------------------------------------
+
+    @abstractmethod
+    def acquire_lease(self, volume: str, branch: str, ttl: float, holder: str = "") -> Lease:
+        """Take the branch's lease for `ttl` seconds; `Unavailable` while another holds it."""
+
+    @abstractmethod
+    def renew_lease(self, volume: str, branch: str, fencing: int, ttl: float) -> Lease:
+        """Extend a held lease; `Forbidden` if it expired or was superseded."""
+
+    @abstractmethod
+    def release_lease(self, volume: str, branch: str, fencing: int) -> None: ...
 
     # -- publishing ------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from strata.engine.changes import rebase
 from strata.engine.errors import (
     AlreadyExists,
     Corrupt,
+    Forbidden,
     InvalidInput,
     NotFound,
     StoreFailed,
@@ -36,7 +37,7 @@ from strata.engine.errors import (
     Unavailable,
 )
 from strata.engine.index import Index
-from strata.engine.interface import ChangeSet, SnapshotInfo, Store
+from strata.engine.interface import ChangeSet, Lease, SnapshotInfo, Store
 from strata.engine.names import check_branch, check_hex_id, check_volume
 from strata.engine.objects import (
     DEFAULT_BLOCK_SIZE,
@@ -192,6 +193,7 @@ class LocalStore(Store):
         self._undurable: collections.deque[tuple[Pos, list[list[Any]]]] = collections.deque()
         self._pending_refs: dict[tuple[str, str], str] = {}
         self._pending_vols: set[str] = set()
+        self._leases: dict[tuple[str, str], Lease] = {}
         # Durability side (guarded by _cond).
         self._cond = threading.Condition()
         self._syncing = False
@@ -239,6 +241,7 @@ class LocalStore(Store):
             self.recovery["index_rebuilt"] = True
         self._replay(start)
         self._vols, self._refs = self.index.load_state()
+        self._leases = {k: Lease(*v) for k, v in self.index.load_leases().items()}
         self._pending_vols = set(self._vols)
         self._pending_refs = dict(self._refs)
         self._open_writer()
@@ -434,6 +437,8 @@ class LocalStore(Store):
             end = (number, offset + len(frame))
             for op in ops:
                 _apply_op(op, self._pending_vols, self._pending_refs)
+                if op[0] == "lease":
+                    self._leases[(op[1], op[2])] = Lease(op[3], op[4], op[5])
             self._undurable.append((end, ops))
             self._unindexed.append((end, "commit", ops))
             self.stats["commits"] += 1
@@ -669,6 +674,58 @@ class LocalStore(Store):
             pos = self._commit([["ref", volume, branch, old, None]], [(volume, branch, old)])
         self._wait_durable(pos)
 
+    # -- leases ------------------------------------------------------------------------
+
+    def acquire_lease(self, volume: str, branch: str, ttl: float, holder: str = "") -> Lease:
+        check_volume(volume)
+        check_branch(branch)
+        _check_ttl(ttl)
+        with self._branch_lock(volume, branch):
+            if (volume, branch) not in self._pending_refs:
+                raise NotFound(f"no branch {branch!r} in volume {volume!r}")
+            now = time.time_ns()
+            cur = self._leases.get((volume, branch))
+            if cur is not None and cur.expires_ns > now:
+                wait = (cur.expires_ns - now) / 1e9
+                raise Unavailable(f"{volume}@{branch} is leased (fencing token {cur.fencing}) "
+                                  f"for {wait:.1f}s more", retry_after=min(wait, 5.0))
+            lease = Lease((cur.fencing if cur else 0) + 1, now + int(ttl * 1e9), holder)
+            pos = self._commit([["lease", volume, branch, *lease]])
+        self._wait_durable(pos)
+        return lease
+
+    def renew_lease(self, volume: str, branch: str, fencing: int, ttl: float) -> Lease:
+        check_volume(volume)
+        check_branch(branch)
+        _check_ttl(ttl)
+        with self._branch_lock(volume, branch):
+            cur = self._live_lease(volume, branch, fencing)
+            lease = Lease(fencing, time.time_ns() + int(ttl * 1e9), cur.holder)
+            pos = self._commit([["lease", volume, branch, *lease]])
+        self._wait_durable(pos)
+        return lease
+
+    def release_lease(self, volume: str, branch: str, fencing: int) -> None:
+        check_volume(volume)
+        check_branch(branch)
+        with self._branch_lock(volume, branch):
+            cur = self._leases.get((volume, branch))
+            if cur is None or cur.fencing != fencing or cur.expires_ns == 0:
+                return  # already released, expired and taken over, or never held
+            pos = self._commit([["lease", volume, branch, fencing, 0, cur.holder]])
+        self._wait_durable(pos)
+
+    def lease_of(self, volume: str, branch: str) -> Lease | None:
+        cur = self._leases.get((volume, branch))
+        return cur if cur is not None and cur.expires_ns > time.time_ns() else None
+
+    def _live_lease(self, volume: str, branch: str, fencing: int) -> Lease:
+        cur = self._leases.get((volume, branch))
+        if cur is None or cur.fencing != fencing or cur.expires_ns <= time.time_ns():
+            raise Forbidden(f"lease {fencing} on {volume}@{branch} has expired or been "
+                            "superseded")
+        return cur
+
     def find_snapshot(self, prefix: str) -> str:
         self._check_open()
         prefix = check_hex_id(prefix, min_len=8)
@@ -732,6 +789,15 @@ class LocalStore(Store):
                     if cs.volume not in self._pending_vols:
                         raise NotFound(f"no volume {cs.volume!r}")
                     raise NotFound(f"no branch {cs.branch!r} in volume {cs.volume!r}")
+                if cs.lease is not None:
+                    self._live_lease(cs.volume, cs.branch, cs.lease)
+                else:
+                    held = self.lease_of(cs.volume, cs.branch)
+                    if held is not None:
+                        wait = (held.expires_ns - time.time_ns()) / 1e9
+                        raise Unavailable(f"{cs.volume}@{cs.branch} is leased (fencing token "
+                                          f"{held.fencing}); retry when it is released",
+                                          retry_after=min(max(wait, 0.1), 5.0))
                 base_root = self.snapshot(cs.base).root
                 head_root = base_root if head == cs.base else self.snapshot(head).root
                 root = rebase(trees, base_root, head_root, cs.changes)
@@ -903,6 +969,11 @@ class LocalStore(Store):
         self._read_fds.clear()
         self.index.close()
         self._lock.release()
+
+
+def _check_ttl(ttl: float) -> None:
+    if not 0.1 <= ttl <= 86400:
+        raise InvalidInput("lease ttl must be between 0.1 s and one day")
 
 
 class _CasMismatch(Exception):

@@ -52,7 +52,10 @@ def check_path(path: str) -> str:
 
 
 def _encode(s: str) -> bytes:
-    return s.encode("utf-8", "surrogateescape")
+    try:
+        return s.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as exc:  # a lone surrogate that no byte string can carry
+        raise InvalidInput(f"path is not encodable as bytes: {s[:40]!r}") from exc
 
 
 def check_volume(name: str) -> str:

@@ -112,6 +112,9 @@ def rebase(trees: Trees, base: Entry, head: Entry, changes: dict[str, Entry | No
         conflicts = find_conflicts(trees, base, head, parsed)
         if conflicts:
             raise Conflict(conflicts)
+    # With nobody else in between, a directory's mtime is ours (utimes may move it
+    # back); only a concurrent publish makes the later of the two win.
+    merge_time = max if base != head else _ours
     root = head
     body = [(p, e) for p, e in parsed if p]
     for parts, e in parsed:
@@ -119,7 +122,11 @@ def rebase(trees: Trees, base: Entry, head: Entry, changes: dict[str, Entry | No
             if e is None or e.kind != K_DIR:
                 raise InvalidInput("the root must stay a directory")
             root = root.with_(mode=e.mode, uid=e.uid, gid=e.gid, xattrs=e.xattrs,
-                              mtime_ns=max(e.mtime_ns, root.mtime_ns))
+                              mtime_ns=merge_time(root.mtime_ns, e.mtime_ns))
     if body:
-        root = trees.apply(root, body)
+        root = trees.apply(root, body, merge_time=merge_time)
     return root
+
+
+def _ours(_theirs: int, ours: int) -> int:
+    return ours

@@ -140,8 +140,8 @@ class ContentWriter:
         """Write `data` at `offset` (and/or resize) touching only the affected blocks."""
         blocks, size = self.blocks_of(e)
         bs = self.block_size
-        if new_size is None:
-            new_size = max(size, offset + len(data or b""))
+        if new_size is None:  # an empty write never changes the size, even past the end
+            new_size = max(size, offset + len(data)) if data else size
         nblocks = -(-new_size // bs)
         touched: set[int] = set()
         if data:
@@ -344,7 +344,11 @@ class Transaction:
                 return
             raise AlreadyExists(f"{path!r} already exists")
         now = time.time_ns() if mtime_ns is None else mtime_ns
-        self._set(path, Entry(kind=K_DIR, mode=mode, mtime_ns=now))
+        # Where this transaction removed something, the new directory starts empty:
+        # a merge entry (ref None) would bring the removed contents back.
+        replaced = self._resolve(parts, skip_last=True) is not None
+        self._set(path, Entry(kind=K_DIR, mode=mode, mtime_ns=now,
+                              ref=EMPTY_TREE_ID if replaced else None))
 
     def symlink(self, path: str, target: str, *, mtime_ns: int | None = None) -> None:
         parts = split_path(path)

@@ -1,0 +1,242 @@
+"""Directory trees: build, lookup, update and diff against a plain dict model.
+
+Trees read through a real `LocalStore`; new nodes stay in `Trees.new` until a
+test stores them, which is also how the bytes a change writes are counted.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from strata.engine.errors import InvalidInput, NotFound
+from strata.engine.local import LocalStore
+from strata.engine.objects import EMPTY_TREE_ID, K_DIR, K_FILE, TREE, Entry, TreeNode
+from strata.engine.tree import MAX_FANOUT, Trees, decode_name, encode_name
+
+Model = dict[bytes, Entry]
+
+
+def name(i: int) -> bytes:
+    return f"entry-{i:06d}".encode()
+
+
+def fentry(i: int, size: int = 1) -> Entry:
+    return Entry(kind=K_FILE, size=size, data=bytes([i % 251]) * size, mtime_ns=i)
+
+
+def dentry(ref: bytes = EMPTY_TREE_ID, mode: int = 0o755) -> Entry:
+    return Entry(kind=K_DIR, mode=mode, ref=ref)
+
+
+def store_new(store: LocalStore, trees: Trees) -> None:
+    store.put_objects([(TREE, raw) for raw in trees.new.values()])
+    trees.new.clear()
+
+
+def check_against(trees: Trees, root: bytes, model: Model, absent: list[bytes]) -> None:
+    assert list(trees.iter_dir(root)) == sorted(model.items())
+    assert trees.count(root) == len(model)
+    for n, e in model.items():
+        assert trees.lookup(root, n) == e
+    for n in absent:
+        if n not in model:
+            assert trees.lookup(root, n) is None
+    check_shape(trees, root)
+
+
+def check_shape(trees: Trees, oid: bytes) -> tuple[bytes, bytes] | None:
+    """Every node sorted, within fan-out, counts and first names right; (min, max) names."""
+    node = trees.node(oid)
+    if node.level == 0:
+        names = [n for n, _ in node.entries]
+        assert names == sorted(set(names))
+        assert len(names) <= MAX_FANOUT
+        return (names[0], names[-1]) if names else None
+    assert 0 < len(node.children) <= MAX_FANOUT
+    prev_max = None
+    for first, child, count in node.children:
+        sub = trees.node(child)
+        assert sub.level == node.level - 1
+        assert sub.count == count
+        rng = check_shape(trees, child)
+        assert rng is not None and rng[0] == first
+        if prev_max is not None:
+            assert prev_max < rng[0]
+        prev_max = rng[1]
+    return node.children[0][0], prev_max  # type: ignore[return-value]
+
+
+def model_diff(a: Model, b: Model) -> list[tuple[str, Entry | None, Entry | None]]:
+    return [(decode_name(n), a.get(n), b.get(n)) for n in sorted(a.keys() | b.keys())
+            if a.get(n) != b.get(n)]
+
+
+def test_empty_directory(shared_store: LocalStore) -> None:
+    trees = Trees(shared_store)
+    assert trees.build([]) == EMPTY_TREE_ID
+    assert list(trees.iter_dir(EMPTY_TREE_ID)) == []
+    assert trees.lookup(EMPTY_TREE_ID, b"x") is None
+    root = trees.update(EMPTY_TREE_ID, {b"a": fentry(1)})
+    assert trees.update(root, {b"a": None}) == EMPTY_TREE_ID
+    assert trees.update(root, {}) == root
+
+
+def test_build_is_deterministic_and_content_addressed(shared_store: LocalStore) -> None:
+    items = [(name(i), fentry(i)) for i in range(3000)]
+    a, b = Trees(shared_store), Trees(shared_store)
+    assert a.build(items) == b.build(items)
+    assert a.new == b.new
+    assert a.build(items[:-1]) != a.build(items)
+    assert TreeNode.decode(a.new[a.build(items)]).level >= 1  # 3000 entries: split
+
+
+edit_value = st.none() | st.integers(0, 10_000).map(fentry)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2500), st.lists(
+    st.dictionaries(st.integers(0, 3000).map(name), edit_value, min_size=1, max_size=40),
+    min_size=1, max_size=6))
+def test_updates_match_a_dict_model(shared_store: LocalStore, n: int,
+                                    batches: list[dict[bytes, Entry | None]]) -> None:
+    trees = Trees(shared_store)
+    model: Model = {name(i): fentry(i) for i in range(0, 2 * n, 2)}
+    root = trees.build(sorted(model.items()))
+    check_against(trees, root, model, [name(i) for i in range(1, 40, 3)])
+    probes = [name(i) for i in range(0, 3001, 97)]
+    for batch in batches:
+        old_model, old_root = dict(model), root
+        root = trees.update(root, batch)
+        for k, v in batch.items():
+            if v is None:
+                model.pop(k, None)
+            else:
+                model[k] = v
+        check_against(trees, root, model, probes + list(batch))
+        old = dentry(old_root)
+        new = dentry(root)
+        assert list(trees.diff(old, new)) == model_diff(old_model, model)
+        assert list(trees.diff(new, old)) == model_diff(model, old_model)
+        # An update that lands on the same content gives back the same tree.
+        assert trees.update(root, {k: model.get(k) for k in batch}) == root
+
+
+def test_large_directory_change_rewrites_few_small_nodes(shared_store: LocalStore) -> None:
+    rng = random.Random(1)
+    n = 100_000
+    items = [(name(i), Entry(kind=K_FILE, size=10_000, ref=rng.randbytes(32), mtime_ns=i))
+             for i in range(n)]
+    builder = Trees(shared_store)
+    root = builder.build(items)
+    store_new(shared_store, builder)
+    depth = builder.node(root).level + 1
+    assert depth >= 3
+    old_leaves = set(builder.leaves(root))
+    model = dict(items)
+    for edit in [
+        {name(50_000): fentry(7)},                  # modify
+        {b"entry-050000.5": fentry(8)},             # insert in the middle
+        {name(77_777): None},                       # delete
+        {b"zzz-after-everything": fentry(9)},       # insert after the last
+        {b"aaa-before-everything": fentry(10)},     # insert before the first
+    ]:
+        trees = Trees(shared_store)  # fresh: `new` holds exactly what this change writes
+        new_root = trees.update(root, edit)
+        written = sum(len(raw) for raw in trees.new.values())
+        assert written <= 64 * 1024, f"{written} bytes of tree nodes for a one-entry change"
+        assert len(trees.new) <= 2 * depth
+        assert len(set(trees.leaves(new_root)) - old_leaves) <= 2
+        for k, v in edit.items():
+            assert trees.lookup(new_root, k) == v
+        expected = dict(model)
+        for k, v in edit.items():
+            if v is None:
+                del expected[k]
+            else:
+                expected[k] = v
+        assert trees.count(new_root) == len(expected)
+        for k in random.Random(2).sample(sorted(expected), 500):
+            assert trees.lookup(new_root, k) == expected[k]
+        assert list(trees.diff(dentry(root), dentry(new_root))) == model_diff(model, expected)
+        assert trees.lookup(root, name(50_000)) == model[name(50_000)]  # the old tree is intact
+    assert [n for n, _ in builder.iter_dir(root)] == [n for n, _ in items]
+
+
+def tree_of(trees: Trees, files: dict[str, bytes]) -> Entry:
+    """A root directory entry holding `files` (path -> content), made through apply()."""
+    root = dentry()
+    changes: list[tuple[tuple[str, ...], Entry | None]] = []
+    dirs = sorted({tuple(p.split("/")[:i]) for p in files for i in range(1, p.count("/") + 1)})
+    for d in dirs:
+        changes.append((d, Entry(kind=K_DIR, mode=0o755)))
+    for p, data in files.items():
+        changes.append((tuple(p.split("/")), Entry(kind=K_FILE, size=len(data), data=data)))
+    changes.sort(key=lambda c: c[0])
+    return trees.apply(root, changes) if changes else root
+
+
+def files_of(trees: Trees, root: Entry) -> dict[str, bytes]:
+    return {p: e.data or b"" for p, e in trees.walk(root) if e.kind == K_FILE}
+
+
+def test_apply_nested_changes(shared_store: LocalStore) -> None:
+    trees = Trees(shared_store)
+    root = tree_of(trees, {"a/b/c.txt": b"c", "a/d.txt": b"d", "top": b"t", "e/f/g/h": b"h"})
+    assert files_of(trees, root) == {"a/b/c.txt": b"c", "a/d.txt": b"d", "top": b"t",
+                                     "e/f/g/h": b"h"}
+    assert [p for p, _ in trees.walk(root)] == [
+        "a", "a/b", "a/b/c.txt", "a/d.txt", "e", "e/f", "e/f/g", "e/f/g/h", "top"]
+    assert trees.resolve(root, ("a", "b", "c.txt")) == Entry(kind=K_FILE, size=1, data=b"c")
+    assert trees.resolve(root, ("a", "nope", "c.txt")) is None
+    assert trees.resolve(root, ("top", "below-a-file")) is None
+
+    # A merge entry (ref None) keeps the directory's content and takes its attributes.
+    merged = trees.apply(root, [(("a",), Entry(kind=K_DIR, mode=0o700, mtime_ns=5)),
+                                (("a", "new"), Entry(kind=K_FILE, size=1, data=b"n"))])
+    a = trees.resolve(merged, ("a",))
+    assert a is not None and a.mode == 0o700 and a.mtime_ns == 5
+    assert files_of(trees, merged)["a/d.txt"] == b"d"
+    assert files_of(trees, merged)["a/new"] == b"n"
+
+    # A merge entry over a file makes an empty directory.
+    over = trees.apply(root, [(("top",), Entry(kind=K_DIR, mode=0o755))])
+    assert trees.resolve(over, ("top",)) == dentry()
+
+    # Deleting a directory deletes its subtree.
+    gone = trees.apply(root, [(("e",), None)])
+    assert files_of(trees, gone) == {"a/b/c.txt": b"c", "a/d.txt": b"d", "top": b"t"}
+
+    with pytest.raises(NotFound):
+        trees.apply(root, [(("missing", "x"), fentry(1))])
+    with pytest.raises(NotFound):
+        trees.apply(root, [(("top", "x"), fentry(1))])
+    with pytest.raises(InvalidInput):
+        trees.apply(fentry(1), [(("x",), fentry(1))])
+    with pytest.raises(InvalidInput):
+        trees.apply(root, [((), fentry(1))])
+
+
+def test_nested_diff(shared_store: LocalStore) -> None:
+    trees = Trees(shared_store)
+    a = tree_of(trees, {"d/x": b"1", "d/y": b"2", "k/z": b"3", "same/s": b"s"})
+    b = tree_of(trees, {"d/x": b"1", "d/y": b"22", "n/w": b"4", "same/s": b"s"})
+    got = [(p, o is not None, n is not None) for p, o, n in trees.diff(a, b)]
+    assert sorted(got) == sorted([
+        ("d/y", True, True),
+        ("k/z", True, False), ("k", True, False),
+        ("n", False, True), ("n/w", False, True),
+    ])
+    assert list(trees.diff(a, a)) == []
+    # Directory attribute changes show up on the directory's own line.
+    c = trees.apply(a, [(("same",), Entry(kind=K_DIR, mode=0o700))])
+    assert [p for p, _, _ in trees.diff(a, c)] == ["same"]
+
+
+def test_names_round_trip_bytes_that_are_not_utf8() -> None:
+    raw = b"caf\xe9"
+    assert encode_name(decode_name(raw)) == raw
+    assert encode_name("é") == "é".encode()

@@ -51,6 +51,7 @@ from strata.engine.objects import (
     KIND_NAMES,
     SNAPSHOT,
     TREE,
+    Entry,
     Snapshot,
     object_id,
     packb,
@@ -768,6 +769,7 @@ class LocalStore(Store):
             check_volume(cs.volume)
             check_branch(cs.branch)
             check_hex_id(cs.base)
+            _check_message_meta(cs.message, cs.meta)
             keys.append((cs.volume, cs.branch))
         if len(set(keys)) != len(keys):
             raise InvalidInput("a branch appears twice in one publish")
@@ -836,8 +838,8 @@ class LocalStore(Store):
             if not isinstance(cs.changes, dict):
                 raise InvalidInput("changes must map paths to entries")
             for path, e in cs.changes.items():
-                if e is None or e.ref is None:
-                    continue
+                if not isinstance(e, Entry) or e.ref is None:
+                    continue  # deletions, inline data; non-entries are refused by rebase
                 if e.kind == K_FILE:
                     want[e.ref] = FILENODE
                 elif e.kind == K_DIR:
@@ -974,6 +976,17 @@ class LocalStore(Store):
 def _check_ttl(ttl: float) -> None:
     if not 0.1 <= ttl <= 86400:
         raise InvalidInput("lease ttl must be between 0.1 s and one day")
+
+
+def _check_message_meta(message: object, meta: object) -> None:
+    # Refused up front: a snapshot that cannot be encoded, or decoded again, would
+    # fail mid-publish or leave its branch with an unreadable head.
+    if not isinstance(message, str) or not isinstance(meta, dict):
+        raise InvalidInput("a snapshot's message must be a string and its meta a mapping")
+    try:
+        packb(meta)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidInput(f"snapshot meta cannot be stored: {exc}") from exc
 
 
 class _CasMismatch(Exception):

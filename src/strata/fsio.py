@@ -1,0 +1,400 @@
+"""Copying between a local directory and a snapshot: import and export.
+
+This module sits directly above the engine and speaks only the `Store`
+interface. `import_dir` turns a directory into one change set against a base
+snapshot (so a stale base replays or conflicts like any other publish);
+`export_snapshot` writes a snapshot out with its metadata. It never prints and
+never reads environment variables; what it could not restore is returned to
+the caller.
+
+Change detection follows rsync's quick check: a regular file whose size and
+nanosecond mtime equal the base entry's keeps the base's content without being
+read. Metadata (mode, owner, xattrs, link count) is always compared.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat as st
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from strata.engine.errors import InvalidInput, NotFound
+from strata.engine.interface import ChangeSet, Store
+from strata.engine.names import MAX_NAME, MAX_PATH
+from strata.engine.objects import (
+    FILENODE,
+    INLINE_MAX,
+    K_BLK,
+    K_CHR,
+    K_DIR,
+    K_FIFO,
+    K_FILE,
+    K_SOCK,
+    K_SYMLINK,
+    ZERO_ID,
+    Entry,
+    FileNode,
+    object_id,
+)
+from strata.engine.tree import NodeCache, Trees, decode_name
+from strata.engine.txn import ContentWriter
+
+Progress = Callable[[int, int], None]
+XAttrs = tuple[tuple[bytes, bytes], ...]
+
+_KIND_OF_FMT = {st.S_IFREG: K_FILE, st.S_IFDIR: K_DIR, st.S_IFLNK: K_SYMLINK,
+                st.S_IFIFO: K_FIFO, st.S_IFCHR: K_CHR, st.S_IFBLK: K_BLK,
+                st.S_IFSOCK: K_SOCK}
+_NO_XATTRS = (errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENODATA, errno.EPERM, errno.EACCES)
+_PROGRESS_EVERY = 256
+
+
+# -- import ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Local:
+    """One scanned path: its lstat, kind, xattrs and (for symlinks) target."""
+
+    rel: str
+    abs: str
+    st: os.stat_result
+    kind: int
+    xattrs: XAttrs
+    target: bytes | None = None
+
+
+def _read_xattrs(path: str) -> XAttrs:
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in _NO_XATTRS:
+            return ()
+        raise
+    if not names:
+        return ()
+    out = []
+    for name in names:
+        try:
+            out.append((os.fsencode(name), os.getxattr(path, name, follow_symlinks=False)))
+        except OSError as exc:
+            if exc.errno not in _NO_XATTRS:
+                raise
+    return tuple(sorted(out))
+
+
+def _scan(root: str) -> Iterator[_Local]:
+    """Every path below `root`, each directory before its children."""
+    stack = [("", root)]
+    while stack:
+        rel_dir, abs_dir = stack.pop()
+        with os.scandir(abs_dir) as it:
+            items = sorted(it, key=lambda d: d.name)  # a stable order for link groups
+        for d in items:
+            rel = f"{rel_dir}/{d.name}" if rel_dir else d.name
+            if len(os.fsencode(d.name)) > MAX_NAME or len(os.fsencode(rel)) > MAX_PATH:
+                raise InvalidInput(f"cannot import {d.path!r}: name or path too long for a volume "
+                                   f"({MAX_NAME}-byte names, {MAX_PATH}-byte paths)")
+            s = d.stat(follow_symlinks=False)
+            kind = _KIND_OF_FMT.get(st.S_IFMT(s.st_mode))
+            if kind is None:
+                raise InvalidInput(f"cannot import {d.path!r}: unknown file type")
+            target = os.fsencode(os.readlink(d.path)) if kind == K_SYMLINK else None
+            yield _Local(rel, d.path, s, kind, _read_xattrs(d.path), target)
+            if kind == K_DIR:
+                stack.append((rel, d.path))
+
+
+def _entry(loc: _Local, *, size: int = 0, ref: bytes | None = None, data: bytes | None = None,
+           ino: int = 0, nlink: int = 1) -> Entry:
+    """The entry for a scanned path; file content and link group come from the caller."""
+    # Built in one call: dataclasses.replace() was a third of a 20k-file import.
+    s = loc.st
+    if loc.kind == K_SYMLINK:
+        data = loc.target or b""
+        size = len(data)
+    return Entry(loc.kind, st.S_IMODE(s.st_mode), s.st_uid, s.st_gid, s.st_mtime_ns, size, ref,
+                 data, s.st_rdev if loc.kind in (K_CHR, K_BLK) else 0, loc.xattrs, ino, nlink)
+
+
+def _quick_same(loc: _Local, base: Entry | None) -> bool:
+    """The quick check rsync makes: same size and mtime means the same content."""
+    return (base is not None and base.kind == K_FILE and base.size == loc.st.st_size
+            and base.mtime_ns == loc.st.st_mtime_ns)
+
+
+def _read_file(cw: ContentWriter, path: str) -> tuple[int, bytes | None, bytes | None]:
+    """Read a file in block-sized pieces into `cw`: (size read, file node id, inline data)."""
+    bs = cw.block_size
+    blocks: list[bytes] = []
+    buf = bytearray()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        while chunk := os.read(fd, bs):
+            buf += chunk
+            if len(buf) >= bs:
+                blocks.append(cw.block(bytes(buf[:bs])))
+                del buf[:bs]
+    finally:
+        os.close(fd)
+    size = len(blocks) * bs + len(buf)
+    if size <= INLINE_MAX:
+        data = b"".join(cw.read_block(b, bs) for b in blocks) + bytes(buf)
+        return size, None, data
+    if buf:
+        blocks.append(cw.block(bytes(buf)))
+    node = FileNode(size=size, block_size=bs, blocks=tuple(blocks))
+    return size, cw.add(FILENODE, node.encode()), None
+
+
+def import_dir(store: Store, volume: str, branch: str, src_dir: str, *,
+               base: str | None = None, message: str = "",
+               progress: Progress | None = None) -> str:
+    """Make the branch's tree equal to `src_dir`, as one change set; return the new head.
+
+    The change set holds only what differs from `base` (default: the branch
+    head): new or changed entries, and None for paths the directory no longer
+    has. Publishing replays it onto a moved head or raises `Conflict`.
+    """
+    if not os.path.isdir(src_dir):
+        raise NotFound(f"no such directory: {src_dir!r}")
+    if base is None:
+        base = store.head(volume, branch)
+    else:
+        store.head(volume, branch)  # the branch must exist
+    base_root = store.snapshot(base).root
+    cw = ContentWriter(store)
+    trees = Trees(cw, NodeCache())
+
+    def base_children(e: Entry | None) -> dict[str, Entry]:
+        if e is None or e.kind != K_DIR or e.ref is None:
+            return {}
+        return {decode_name(n): c for n, c in trees.iter_dir(e.ref)}
+
+    # 1. Scan: every local path with its base entry (None when new).
+    root_stat = os.lstat(src_dir)
+    scanned: list[tuple[_Local, Entry | None]] = []
+    changes: dict[str, Entry | None] = {}
+    base_dirs: dict[str, dict[str, Entry]] = {"": base_children(base_root)}
+    seen: dict[str, set[str]] = {"": set()}
+    for loc in _scan(src_dir):
+        parent, _, name = loc.rel.rpartition("/")
+        seen[parent].add(name)
+        b = base_dirs[parent].get(name)
+        scanned.append((loc, b))
+        if loc.kind == K_DIR:
+            base_dirs[loc.rel] = base_children(b)
+            seen[loc.rel] = set()
+    for parent, children in base_dirs.items():
+        for name in children.keys() - seen[parent]:
+            changes[f"{parent}/{name}" if parent else name] = None
+    del base_dirs, seen
+
+    # 2. Hard-link groups: regular files sharing (st_dev, st_ino) inside the tree.
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (loc, _b) in enumerate(scanned):
+        if loc.kind == K_FILE and loc.st.st_nlink > 1:
+            groups.setdefault((loc.st.st_dev, loc.st.st_ino), []).append(i)
+    ino_of: dict[int, tuple[int, int]] = {}  # scanned index -> (ino, nlink)
+    used: set[int] = set()
+    for members in sorted((m for m in groups.values() if len(m) > 1), key=lambda m: m[0]):
+        ino = 0
+        for i in members:  # keep the base's number when it still names this group
+            b = scanned[i][1]
+            if b is not None and b.kind == K_FILE and b.ino and b.ino not in used:
+                ino = b.ino
+                break
+        if not ino:
+            first = scanned[members[0]][0].rel
+            ino = int.from_bytes(object_id(0, b"import\0" + os.fsencode(first))[:6], "little")
+            ino |= 1
+            while ino in used:
+                ino += 2
+        used.add(ino)
+        for i in members:
+            ino_of[i] = (ino, len(members))
+
+    # 3. Entries: read only files whose quick check fails.
+    root_meta = Entry(kind=K_DIR, mode=st.S_IMODE(root_stat.st_mode), uid=root_stat.st_uid,
+                      gid=root_stat.st_gid, mtime_ns=root_stat.st_mtime_ns,
+                      xattrs=_read_xattrs(src_dir))
+    if _dir_differs(root_meta, base_root):
+        changes[""] = root_meta
+    total = sum(1 for loc, _ in scanned if loc.kind != K_DIR)
+    done = 0
+    linked: dict[int, Entry] = {}  # ino -> the group's entry, once built
+    for i, (loc, b) in enumerate(scanned):
+        if loc.kind == K_DIR:
+            meta = _entry(loc)
+            if _dir_differs(meta, b):
+                changes[loc.rel] = meta
+            continue
+        done += 1
+        if loc.kind != K_FILE:
+            new = _entry(loc)
+        else:
+            ino, nlink = ino_of.get(i, (0, 1))
+            hit = linked.get(ino) if ino else None
+            if hit is not None:
+                new = hit
+            else:
+                src = b if _quick_same(loc, b) else None
+                if src is None and ino:
+                    src = next((scanned[j][1] for j in groups[(loc.st.st_dev, loc.st.st_ino)]
+                                if _quick_same(loc, scanned[j][1])), None)
+                if src is not None:
+                    new = _entry(loc, size=src.size, ref=src.ref, data=src.data, ino=ino,
+                                 nlink=nlink)
+                else:
+                    size, ref, data = _read_file(cw, loc.abs)
+                    new = _entry(loc, size=size, ref=ref, data=data, ino=ino, nlink=nlink)
+                if ino:
+                    linked[ino] = new
+        if new != b:
+            changes[loc.rel] = new
+        if progress is not None and done % _PROGRESS_EVERY == 0:
+            progress(done, total)
+    if progress is not None:
+        progress(done, total)
+    cw.flush()
+    (sid,) = store.publish([ChangeSet(volume, branch, base, changes, message)])
+    return sid
+
+
+def _dir_differs(meta: Entry, base: Entry | None) -> bool:
+    return (base is None or base.kind != K_DIR or base.attrs() != meta.attrs()
+            or base.mtime_ns != meta.mtime_ns)
+
+
+# -- export ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ExportReport:
+    """What an export wrote, and what it could not restore (with the reason)."""
+
+    files: int = 0
+    dirs: int = 0
+    links: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+
+def _write_content(fd: int, cw: ContentWriter, e: Entry) -> None:
+    if e.ref is None:
+        data = e.data or b""
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        return
+    node = FileNode.decode(cw.get_object(e.ref))
+    bs = node.block_size
+    for i, oid in enumerate(node.blocks):
+        length = min(bs, node.size - i * bs)
+        if length <= 0:
+            break
+        if oid == ZERO_ID:  # a hole stays a hole
+            os.lseek(fd, length, os.SEEK_CUR)
+            continue
+        view = memoryview(cw.read_block(oid, length))
+        while view:
+            view = view[os.write(fd, view):]
+    os.ftruncate(fd, node.size)
+
+
+class _Exporter:
+    def __init__(self, store: Store, report: ExportReport) -> None:
+        self.cw = ContentWriter(store)
+        self.trees = Trees(self.cw, NodeCache())
+        self.report = report
+        self.root = os.geteuid() == 0
+
+    def owner(self, path: str, e: Entry) -> None:
+        try:
+            os.lchown(path, e.uid, e.gid)
+        except PermissionError:
+            if not self.root:
+                self.report.skipped.append(f"owner {e.uid}:{e.gid} of {path} (not root)")
+            else:
+                raise
+
+    def xattrs(self, path: str, e: Entry) -> None:
+        for name, value in e.xattrs:
+            try:
+                os.setxattr(path, name, value, follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno not in _NO_XATTRS:
+                    raise
+                self.report.skipped.append(
+                    f"xattr {os.fsdecode(name)} on {path} ({exc.strerror})")
+
+    def finish(self, path: str, e: Entry) -> None:
+        """Owner, xattrs, mode, mtime, in the order that keeps each one."""
+        if self.root or (e.uid, e.gid) != (os.geteuid(), os.getegid()):
+            self.owner(path, e)  # before chmod: chown clears set-id bits
+        self.xattrs(path, e)
+        if e.kind != K_SYMLINK:
+            os.chmod(path, e.mode)
+        os.utime(path, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
+
+    def special(self, path: str, e: Entry) -> bool:
+        fmt = {K_FIFO: st.S_IFIFO, K_CHR: st.S_IFCHR, K_BLK: st.S_IFBLK,
+               K_SOCK: st.S_IFSOCK}[e.kind]
+        try:
+            if e.kind == K_FIFO:
+                os.mkfifo(path, 0o600)
+            else:
+                os.mknod(path, fmt | 0o600, e.rdev)
+        except PermissionError as exc:
+            self.report.skipped.append(f"special file {path} ({exc.strerror})")
+            return False
+        return True
+
+    def run(self, root: Entry, dst: str) -> None:
+        dirs: list[tuple[str, Entry]] = [(dst, root)]
+        links: dict[int, str] = {}
+        for rel, e in self.trees.walk(root):
+            path = os.path.join(dst, rel)
+            if e.kind == K_DIR:
+                os.mkdir(path, 0o700)
+                dirs.append((path, e))
+                self.report.dirs += 1
+                continue
+            if e.kind == K_FILE:
+                if e.ino and e.ino in links:
+                    os.link(links[e.ino], path)
+                    self.report.links += 1
+                    continue
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    _write_content(fd, self.cw, e)
+                finally:
+                    os.close(fd)
+                self.report.files += 1
+                if e.ino:
+                    links[e.ino] = path
+            elif e.kind == K_SYMLINK:
+                os.symlink(os.fsdecode(e.data or b""), path)
+            elif not self.special(path, e):
+                continue
+            self.finish(path, e)
+        # Directories last, deepest first: their mtimes move as children appear,
+        # and a read-only mode must not stop the children being written.
+        for path, e in reversed(dirs):
+            self.finish(path, e)
+
+
+def export_snapshot(store: Store, snapshot_id: str, dst_dir: str) -> ExportReport:
+    """Write snapshot `snapshot_id` into `dst_dir`, which must be empty or absent."""
+    root = store.snapshot(snapshot_id).root
+    if os.path.lexists(dst_dir):
+        if not os.path.isdir(dst_dir) or os.path.islink(dst_dir):
+            raise InvalidInput(f"export target {dst_dir!r} is not a directory")
+        if os.listdir(dst_dir):
+            raise InvalidInput(f"export target {dst_dir!r} is not empty")
+    else:
+        os.makedirs(dst_dir)
+    report = ExportReport()
+    _Exporter(store, report).run(root, dst_dir)
+    return report

@@ -1,0 +1,60 @@
+"""Store administration: `strata init` and `strata fsck`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from strata.cli.common import open_store, print_json, store_path
+from strata.engine.local import init_store
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("init", parents=[common], help="create an empty store")
+    p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser("fsck", parents=[common],
+                       help="verify every pack record, the index and every branch's tree")
+    p.add_argument("--rebuild-index", action="store_true",
+                   help="throw the index away and rebuild it from the packs first")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_fsck)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    path = store_path(args)
+    init_store(path)
+    print(f"strata store at {path}")
+    return 0
+
+
+def cmd_fsck(args: argparse.Namespace) -> int:
+    with open_store(args) as store:
+        rebuilt = store.rebuild_index() if args.rebuild_index else None
+        report = store.fsck()
+        recovery = {k: v for k, v in store.recovery.items() if v}
+    if rebuilt is not None:
+        report["rebuilt"] = rebuilt
+    if recovery:
+        report["recovery"] = recovery
+    if args.json:
+        print_json(report)
+        return 0 if report["ok"] else 1
+    if rebuilt is not None:
+        print(f"index rebuilt: {rebuilt['volumes']} volume(s), {rebuilt['branches']} "
+              f"branch(es), {rebuilt['objects']} object(s)")
+    for t in recovery.get("truncated", []):
+        print(f"recovered: truncated a torn tail of {t['bytes']} byte(s) in {t['pack']} "
+              f"at offset {t['offset']}")
+    for d in report["damaged"]:
+        where = f"{d['pack']} at offset {d['offset']}" if "pack" in d else d.get("object", "?")
+        print(f"damaged: {where}: {d['reason']}")
+    for m in report["missing"]:
+        print(f"missing: {m['kind']} {m['object']} (reachable from {m['from']})")
+    if report["index_mismatch"]:
+        print(f"index: {report['index_mismatch']} entr(ies) disagree with the packs "
+              "(run with --rebuild-index)")
+    status = "ok" if report["ok"] else "NOT OK"
+    print(f"{status}: {report['packs']} pack(s), {report['records']} record(s), "
+          f"{report['objects']} object(s)")
+    return 0 if report["ok"] else 1

@@ -1,0 +1,148 @@
+"""Reading snapshots: `strata log|ls|cat|stat|diff`. Nothing here publishes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from strata.cli.common import (
+    entry_json,
+    fmt_time,
+    long_line,
+    lookup,
+    open_store,
+    parse_ref,
+    print_json,
+    short,
+)
+from strata.engine.errors import InvalidInput
+from strata.engine.objects import K_DIR, K_FILE, FileNode
+from strata.engine.tree import Trees, decode_name
+from strata.engine.txn import ContentWriter
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("log", parents=[common], help="history of REF, newest first")
+    p.add_argument("ref", metavar="REF")
+    p.add_argument("-n", dest="limit", type=int, metavar="N", help="show at most N snapshots")
+    p.add_argument("--json", action="store_true",
+                   help='[{"id", "parent", "time", "message"}]')
+    p.set_defaults(func=cmd_log)
+
+    p = sub.add_parser("ls", parents=[common], help="list a directory")
+    p.add_argument("ref", metavar="REF")
+    p.add_argument("path", metavar="PATH", nargs="?", default="",
+                   help="volume-relative path (default: the root)")
+    p.add_argument("-l", dest="long", action="store_true", help="long listing")
+    p.add_argument("--json", action="store_true", help="print entries as JSON")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("cat", parents=[common], help="write a file's content to stdout")
+    p.add_argument("ref", metavar="REF")
+    p.add_argument("path", metavar="PATH")
+    p.set_defaults(func=cmd_cat)
+
+    p = sub.add_parser("stat", parents=[common], help="show one entry's metadata")
+    p.add_argument("ref", metavar="REF")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--json", action="store_true", help="print the entry as JSON")
+    p.set_defaults(func=cmd_stat)
+
+    p = sub.add_parser("diff", parents=[common], help="paths that differ between two refs")
+    p.add_argument("ref_a", metavar="REF_A")
+    p.add_argument("ref_b", metavar="REF_B")
+    p.add_argument("--json", action="store_true",
+                   help='[{"path", "change"}], change being added|modified|deleted')
+    p.set_defaults(func=cmd_diff)
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 0:
+        raise InvalidInput("-n must not be negative")
+    ref = parse_ref(args.ref)
+    with open_store(args) as store:
+        infos = store.log(ref.resolve(store), args.limit)
+    if args.json:
+        print_json([i.to_json() for i in infos])
+    else:
+        for i in infos:
+            print(f"{short(i.id)}  {fmt_time(i.time_ns)}  {i.message}".rstrip())
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    ref = parse_ref(args.ref)
+    with open_store(args) as store:
+        e = lookup(store, ref.resolve(store), args.path)
+        if e.kind == K_DIR and e.ref is not None:
+            prefix = f"{args.path}/" if args.path else ""
+            items = [(decode_name(n), c) for n, c in Trees(store).iter_dir(e.ref)]
+        else:
+            prefix = ""
+            items = [(args.path, e)]
+    if args.json:
+        print_json([entry_json(prefix + name, c) | {"name": name} for name, c in items])
+    elif args.long:
+        for name, c in items:
+            print(long_line(name, c))
+    else:
+        for name, _c in items:
+            print(name)
+    return 0
+
+
+def cmd_cat(args: argparse.Namespace) -> int:
+    ref = parse_ref(args.ref)
+    out = sys.stdout.buffer
+    with open_store(args) as store:
+        e = lookup(store, ref.resolve(store), args.path)
+        if e.kind != K_FILE:
+            raise InvalidInput(f"{args.path!r} is not a regular file")
+        if e.ref is None:
+            out.write(e.data or b"")
+        else:
+            # Block by block, so a large file never sits in memory whole.
+            cw = ContentWriter(store)
+            node = FileNode.decode(store.get_object(e.ref))
+            for i, oid in enumerate(node.blocks):
+                out.write(cw.read_block(oid, min(node.block_size, node.size - i * node.block_size)))
+    out.flush()
+    return 0
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    ref = parse_ref(args.ref)
+    with open_store(args) as store:
+        e = lookup(store, ref.resolve(store), args.path)
+    info = entry_json(args.path, e)
+    if args.json:
+        print_json(info)
+        return 0
+    info["mtime"] = fmt_time(e.mtime_ns) + f".{e.mtime_ns % 1_000_000_000:09d}"
+    del info["mtime_ns"]
+    width = max(len(k) for k in info)
+    for k, v in info.items():
+        if k == "xattrs":
+            for name, value in v.items():
+                print(f"{'xattr':<{width}}  {name}={value}")
+        else:
+            print(f"{k:<{width}}  {v if k != 'path' else v or '/'}")
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    ref_a, ref_b = parse_ref(args.ref_a), parse_ref(args.ref_b)
+    with open_store(args) as store:
+        root_a = store.snapshot(ref_a.resolve(store)).root
+        root_b = store.snapshot(ref_b.resolve(store)).root
+        rows = []
+        for path, old, new in Trees(store).diff(root_a, root_b):
+            change = "added" if old is None else "deleted" if new is None else "modified"
+            rows.append({"path": path, "change": change})
+    if args.json:
+        print_json(rows)
+    else:
+        for r in rows:
+            print(f"{r['change'][0].upper()}  {r['path']}")
+    return 0

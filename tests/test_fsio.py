@@ -247,3 +247,17 @@ def test_export_of_special_files_and_large_sparse_content(store: LocalStore,
         export_snapshot(store, sid, str(tmp_path / "file"))
     with pytest.raises(InvalidInput, match="not empty"):
         export_snapshot(store, sid, str(out))
+
+
+def test_names_that_are_not_utf8_and_a_symlinked_source(store: LocalStore,
+                                                        tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(os.path.join(os.fsencode(src), b"caf\xe9"), "wb") as f:
+        f.write(b"latin-1 name")
+    os.symlink(src, tmp_path / "via-link")
+    sid = import_dir(store, "v", "live", str(tmp_path / "via-link"))
+    assert [p for p, _ in Trees(store).walk(store.snapshot(sid).root)] == ["caf\udce9"]
+    out = tmp_path / "out"
+    export_snapshot(store, sid, str(out))
+    assert os.listdir(os.fsencode(out)) == [b"caf\xe9"]

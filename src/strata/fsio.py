@@ -160,6 +160,7 @@ def import_dir(store: Store, volume: str, branch: str, src_dir: str, *,
     """
     if not os.path.isdir(src_dir):
         raise NotFound(f"no such directory: {src_dir!r}")
+    src_dir = os.path.realpath(src_dir)  # a symlink to a directory imports the directory
     if base is None:
         base = store.head(volume, branch)
     else:
@@ -309,15 +310,15 @@ class _Exporter:
         self.trees = Trees(self.cw, NodeCache())
         self.report = report
         self.root = os.geteuid() == 0
+        self.unowned = 0
 
     def owner(self, path: str, e: Entry) -> None:
         try:
             os.lchown(path, e.uid, e.gid)
         except PermissionError:
-            if not self.root:
-                self.report.skipped.append(f"owner {e.uid}:{e.gid} of {path} (not root)")
-            else:
+            if self.root:
                 raise
+            self.unowned += 1  # reported once: every entry of a foreign tree fails alike
 
     def xattrs(self, path: str, e: Entry) -> None:
         for name, value in e.xattrs:
@@ -383,6 +384,9 @@ class _Exporter:
         # and a read-only mode must not stop the children being written.
         for path, e in reversed(dirs):
             self.finish(path, e)
+        if self.unowned:
+            self.report.skipped.append(
+                f"the owners of {self.unowned} entries (only root may give files away)")
 
 
 def export_snapshot(store: Store, snapshot_id: str, dst_dir: str) -> ExportReport:

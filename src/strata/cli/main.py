@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Names that are not UTF-8 come back out as the bytes they were, as `ls` does.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="surrogateescape")
     debug = bool(getattr(args, "debug", False))
     try:
         code: int = args.func(args)

@@ -472,8 +472,10 @@ class LocalStore(Store):
         objs: list[tuple[bytes, Loc]] = []
         ops: list[list[Any]] = []
         reached: Pos | None = None
+        batch = []
         while self._unindexed and self._unindexed[0][0] <= durable:
-            pos, what, payload = self._unindexed.popleft()
+            batch.append(self._unindexed.popleft())
+            pos, what, payload = batch[-1]
             if what == "object":
                 objs.append(payload)
             elif what == "commit":
@@ -481,7 +483,13 @@ class LocalStore(Store):
             reached = pos
         if reached is None:
             return
-        self.index.apply(objs, ops, reached)
+        try:
+            self.index.apply(objs, ops, reached)
+        except BaseException:
+            # Put the batch back, in order, for the next flush: dropped, a later
+            # batch would mark the index applied past records it never got.
+            self._unindexed.extendleft(reversed(batch))
+            raise
         for oid, _loc in objs:
             self._recent.pop(oid, None)
 
@@ -962,8 +970,8 @@ class LocalStore(Store):
                 try:
                     self._wait_durable((number, offset))
                     self._flush_index()
-                except StrataError:
-                    pass
+                except Exception:  # noqa: BLE001 - e.g. LMDB on a full disk: the next
+                    pass           # open replays what the index lacks; close must finish
             self._closed = True
             os.close(fd)
         for rfd in self._read_fds.values():

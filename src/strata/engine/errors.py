@@ -78,6 +78,12 @@ class Forbidden(StrataError):
     http_status = 403
 
 
+class Unauthenticated(Forbidden):
+    """No valid credentials: a missing, malformed, unknown, revoked or expired token."""
+
+    http_status = 401
+
+
 class StoreFailed(StrataError):
     """The store hit an I/O error while writing and refuses further writes."""
 

@@ -162,11 +162,15 @@ class Store(ABC):
     # -- publishing ------------------------------------------------------------
 
     @abstractmethod
-    def publish(self, changesets: Sequence[ChangeSet]) -> list[str]:
+    def publish(self, changesets: Sequence[ChangeSet],
+                objects: Sequence[tuple[int, bytes]] = ()) -> list[str]:
         """Publish change sets on one or more branches atomically.
 
-        Returns the new head of each branch, in order. All land or none does;
-        `Conflict` lists every conflicting path.
+        `objects` are (kind, raw) objects the change sets refer to that the
+        caller has not uploaded yet; they are stored with the commit (small
+        change sets then cost one request). Returns the new head of each
+        branch, in order. All land or none does; `Conflict` lists every
+        conflicting path.
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook

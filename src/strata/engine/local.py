@@ -768,7 +768,18 @@ class LocalStore(Store):
                 lock = self._branch_locks[(volume, branch)] = threading.Lock()
             return lock
 
-    def publish(self, changesets: Sequence[ChangeSet]) -> list[str]:
+    def publish(self, changesets: Sequence[ChangeSet],
+                objects: Sequence[tuple[int, bytes]] = ()) -> list[str]:
+        return self.publish_detailed(changesets, objects)[0]
+
+    def publish_detailed(self, changesets: Sequence[ChangeSet],
+                         objects: Sequence[tuple[int, bytes]] = ()
+                         ) -> tuple[list[str], dict[bytes, bytes]]:
+        """`publish`, also returning the tree nodes it wrote (id -> raw).
+
+        The server sends those to the client with its answer: they are the
+        nodes the client reads next.
+        """
         self._check_usable()
         if not changesets:
             raise InvalidInput("nothing to publish")
@@ -781,7 +792,8 @@ class LocalStore(Store):
             keys.append((cs.volume, cs.branch))
         if len(set(keys)) != len(keys):
             raise InvalidInput("a branch appears twice in one publish")
-        self._check_refs_exist(changesets)
+        _ids, given = self._frame_objects(objects)
+        self._check_refs_exist(changesets, {oid: kind for oid, kind, _f in given})
         locks = [self._branch_lock(v, b) for v, b in sorted(keys)]
         with self._cond:
             self._inflight += 1
@@ -789,6 +801,8 @@ class LocalStore(Store):
             lock.acquire()
         try:
             trees = Trees(self, self.node_cache)
+            trees.new.update({oid: raw for (kind, raw), oid in zip(objects, _ids, strict=True)
+                              if kind == TREE})
             results: list[str] = []
             new_objects: list[tuple[int, bytes]] = []
             ops: list[list[Any]] = []
@@ -824,7 +838,7 @@ class LocalStore(Store):
             if ops:
                 _ids, frames = self._frame_objects(
                     [(TREE, raw) for raw in trees.new.values()] + new_objects)
-                pos = self._commit(ops, expect, frames)
+                pos = self._commit(ops, expect, given + frames)
             else:
                 pos = (self._tail[1], self._tail[2])
         finally:
@@ -832,7 +846,7 @@ class LocalStore(Store):
                 lock.release()
             self._publish_done()
         self._wait_durable(pos)
-        return results
+        return results, trees.new
 
     def _publish_done(self) -> None:
         with self._cond:
@@ -840,7 +854,8 @@ class LocalStore(Store):
             if self._inflight == 0:
                 self._cond.notify_all()
 
-    def _check_refs_exist(self, changesets: Sequence[ChangeSet]) -> None:
+    def _check_refs_exist(self, changesets: Sequence[ChangeSet],
+                          given: dict[bytes, int]) -> None:
         want: dict[bytes, int] = {}
         for cs in changesets:
             if not isinstance(cs.changes, dict):
@@ -857,7 +872,7 @@ class LocalStore(Store):
         for oid, kind in want.items():
             if not isinstance(oid, bytes) or len(oid) != ID_LEN:
                 raise InvalidInput("entry reference is not a 32-byte id")
-            have = self.object_kind(oid)
+            have = given.get(oid) or self.object_kind(oid)
             if have is None:
                 raise InvalidInput(f"change set refers to object {oid.hex()} the store lacks")
             if have != kind:

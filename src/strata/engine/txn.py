@@ -32,6 +32,7 @@ from strata.engine.objects import (
 from strata.engine.tree import NodeCache, Trees, decode_name, encode_name
 
 FLUSH_BYTES = 8 * 1024 * 1024
+INLINE_PUBLISH_BYTES = 4 * 1024 * 1024  # pending objects up to this size ride with the publish
 
 
 class ContentWriter:
@@ -72,6 +73,16 @@ class ContentWriter:
             self.store.put_objects(objs[start:start + 256])
         self.pending.clear()
         self._pending_bytes = 0
+
+    def take(self, limit: int = INLINE_PUBLISH_BYTES) -> list[tuple[int, bytes]]:
+        """Hand over pending objects to send with the publish, or upload them if large."""
+        if self._pending_bytes > limit:
+            self.flush()
+            return []
+        objs = list(self.pending.values())
+        self.pending.clear()
+        self._pending_bytes = 0
+        return objs
 
     def block(self, data: bytes) -> bytes:
         if data == bytes(len(data)):
@@ -180,7 +191,8 @@ class Transaction:
         self.base = base if base is not None else store.head(volume, branch)
         self.content = ContentWriter(store)
         self.trees = Trees(self.content, cache if cache is not None else store.node_cache)
-        self.base_root = store.snapshot(self.base).root
+        self._base_root: Entry | None = store.snapshot(self.base).root
+        self.lease: int | None = None  # fencing token sent with every publish, if set
         self.changes: dict[str, Entry | None] = {}
         self._children: dict[str, set[str]] = {}
 
@@ -481,19 +493,41 @@ class Transaction:
     def changeset(self, message: str = "", meta: dict[str, Any] | None = None) -> ChangeSet:
         self.content.flush()
         return ChangeSet(self.volume, self.branch, self.base, dict(self.changes), message,
-                         dict(meta or {}))
+                         dict(meta or {}), self.lease)
+
+    def _prepared(self, message: str, meta: dict[str, Any] | None
+                  ) -> tuple[ChangeSet, list[tuple[int, bytes]]]:
+        objects = self.content.take()
+        cs = ChangeSet(self.volume, self.branch, self.base, dict(self.changes), message,
+                       dict(meta or {}), self.lease)
+        return cs, objects
 
     def commit(self, message: str = "", meta: dict[str, Any] | None = None) -> str:
         """Publish; on success the transaction continues from the new snapshot."""
-        (sid,) = self.store.publish([self.changeset(message, meta)])
+        cs, objects = self._prepared(message, meta)
+        try:
+            (sid,) = self.store.publish([cs], objects)
+        except BaseException:
+            self._restore(objects)
+            raise
         self._rebase_to(sid)
         return sid
 
+    def _restore(self, objects: list[tuple[int, bytes]]) -> None:
+        for kind, raw in objects:  # a failed publish stored nothing: keep them for a retry
+            self.content.add(kind, raw)
+
     def _rebase_to(self, sid: str) -> None:
         self.base = sid
-        self.base_root = self.store.snapshot(sid).root
+        self._base_root = None
         self.changes.clear()
         self._children.clear()
+
+    @property
+    def base_root(self) -> Entry:
+        if self._base_root is None:
+            self._base_root = self.store.snapshot(self.base).root
+        return self._base_root
 
 
 def commit_all(txns: Sequence[Transaction], message: str = "",
@@ -502,7 +536,14 @@ def commit_all(txns: Sequence[Transaction], message: str = "",
     if not txns:
         return []
     store = txns[0].store
-    ids = store.publish([t.changeset(message, meta) for t in txns])
+    prepared = [t._prepared(message, meta) for t in txns]
+    objects = [o for _cs, objs in prepared for o in objs]
+    try:
+        ids = store.publish([cs for cs, _o in prepared], objects)
+    except BaseException:
+        for t, (_cs, objs) in zip(txns, prepared, strict=True):
+            t._restore(objs)
+        raise
     for t, sid in zip(txns, ids, strict=True):
         t._rebase_to(sid)
     return ids

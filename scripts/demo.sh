@@ -7,7 +7,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STRATA_BIN="$PWD/.venv/bin/strata"
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/strata-demo.XXXXXX")
-trap 'chmod -R u+w "$WORK" 2>/dev/null; rm -rf "$WORK"' EXIT
+trap '"$STRATA_BIN" serve --stop >/dev/null 2>&1; chmod -R u+w "$WORK" 2>/dev/null; rm -rf "$WORK"' EXIT
 cd "$WORK"
 export STRATA_STORE="$WORK/store"
 

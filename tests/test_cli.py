@@ -13,6 +13,7 @@ import os
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,11 @@ class Cli:
 
 
 @pytest.fixture
-def cli(tmp_path: Path) -> Cli:
+def cli(tmp_path: Path) -> Iterator[Cli]:
     c = Cli(tmp_path / "store")
     c.run("init")
-    return c
+    yield c
+    c.run("serve", "--stop", rc=None)  # the server the CLI started for this store
 
 
 def _one_line_error(p: subprocess.CompletedProcess[str]) -> str:

@@ -6,7 +6,8 @@ import argparse
 from typing import Any
 
 from strata.cli.common import open_store, print_json, store_path
-from strata.engine.local import init_store
+from strata.engine.local import LocalStore, init_store
+from strata.server.client import RemoteStore
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -30,13 +31,16 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_fsck(args: argparse.Namespace) -> int:
     with open_store(args) as store:
-        rebuilt = store.rebuild_index() if args.rebuild_index else None
-        report = store.fsck()
-        recovery = {k: v for k, v in store.recovery.items() if v}
-    if rebuilt is not None:
-        report["rebuilt"] = rebuilt
-    if recovery:
-        report["recovery"] = recovery
+        if isinstance(store, LocalStore):
+            rebuilt = store.rebuild_index() if args.rebuild_index else None
+            report = store.fsck()
+            if rebuilt is not None:
+                report["rebuilt"] = rebuilt
+        else:
+            assert isinstance(store, RemoteStore)
+            report = store.admin("POST", "fsck", {"rebuild_index": bool(args.rebuild_index)})
+        rebuilt = report.get("rebuilt")
+        recovery = report.get("recovery") or {}
     if args.json:
         print_json(report)
         return 0 if report["ok"] else 1

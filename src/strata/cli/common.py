@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import stat as statmod
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -13,12 +14,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from strata.engine.errors import InvalidInput, NotFound
+from strata.engine.errors import InvalidInput, NotFound, Unavailable
 from strata.engine.interface import Store
-from strata.engine.local import LocalStore
+from strata.engine.local import LocalStore, read_store_meta
 from strata.engine.names import check_branch, check_volume, split_path
 from strata.engine.objects import ENTRY_KIND_NAMES, K_DIR, K_SYMLINK, Entry
 from strata.engine.tree import Trees
+from strata.server.client import RemoteStore, default_socket, is_serving
 
 DEFAULT_BRANCH = "live"
 Handler = Callable[[argparse.Namespace], int]
@@ -30,11 +32,60 @@ def store_path(args: argparse.Namespace) -> str:
     return path or os.path.join(os.path.expanduser("~"), ".local", "share", "strata")
 
 
+def server_url(args: argparse.Namespace) -> str | None:
+    """--server, else $STRATA_SERVER, else None (use the local store's own server)."""
+    return getattr(args, "server", None) or os.environ.get("STRATA_SERVER") or None
+
+
 @contextmanager
-def open_store(args: argparse.Namespace) -> Iterator[LocalStore]:
-    # LocalStore waits (bounded) for another process holding the store lock.
-    with LocalStore(store_path(args)) as store:
-        yield store  # type: ignore[misc]
+def open_store(args: argparse.Namespace) -> Iterator[Store]:
+    """The store the command works on, always through a server.
+
+    With --server, that server. Otherwise the local store's own server on its
+    unix socket, started in the background when none is running, so that any
+    number of concurrent `strata` processes share one owner (and one group
+    commit). STRATA_IN_PROCESS=1 opens the store in this process instead.
+    """
+    if os.environ.get("STRATA_IN_PROCESS") == "1" and server_url(args) is None:
+        with LocalStore(store_path(args)) as local:
+            yield local
+        return
+    with open_remote(args) as store:
+        yield store
+
+
+@contextmanager
+def open_remote(args: argparse.Namespace) -> Iterator[RemoteStore]:
+    url = server_url(args)
+    token = getattr(args, "token", None) or os.environ.get("STRATA_TOKEN") or None
+    if url is None:
+        url = "unix:" + ensure_server(store_path(args))
+    store = RemoteStore(url, token)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def ensure_server(path: str, timeout: float = 15.0) -> str:
+    """The unix socket of the store's server, starting one if none answers."""
+    read_store_meta(path)  # "no strata store at ... (run 'strata init')"
+    sock = default_socket(path)
+    if is_serving(sock):
+        return sock
+    idle = os.environ.get("STRATA_SERVER_IDLE_EXIT", "300")
+    with open(os.path.join(path, "serve.log"), "ab") as log:
+        subprocess.Popen(
+            [sys.executable, "-m", "strata", "serve", "--store", path, "--idle-exit", idle],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            close_fds=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if is_serving(sock):
+            return sock
+        time.sleep(0.02)
+    raise Unavailable(f"the store's server did not start within {timeout:g}s "
+                      f"(see {os.path.join(path, 'serve.log')})")
 
 
 @dataclass(frozen=True, slots=True)

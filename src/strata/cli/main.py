@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Sequence
 
 from strata import __version__
-from strata.cli import admin, branches, read, volumes, write
+from strata.cli import admin, branches, read, serve, volumes, write
 from strata.engine.errors import Conflict, StrataError
 
 EPILOG = """\
@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--store", metavar="DIR", default=argparse.SUPPRESS,
                         help="store directory (default: $STRATA_STORE or "
                              "~/.local/share/strata)")
+    common.add_argument("--server", metavar="URL", default=argparse.SUPPRESS,
+                        help="use the server at unix:PATH or http://HOST:PORT "
+                             "(default: $STRATA_SERVER, else the store's own server)")
+    common.add_argument("--token", metavar="TOKEN", default=argparse.SUPPRESS,
+                        help="bearer token for a TCP server (default: $STRATA_TOKEN)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show a traceback on errors")
     parser = argparse.ArgumentParser(
@@ -39,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="A versioned, transactional, forkable filesystem.")
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (admin, volumes, branches, read, write):
+    for module in (admin, volumes, branches, read, write, serve):
         module.register(sub, common)
     return parser
 

@@ -260,8 +260,15 @@ class LocalStore(Store):
             offset = start[1] if start is not None and number == start[0] else (
                 packfmt.HEADER_SIZE)
             path = self._pack_path(number)
-            result = packfmt.scan(path, offset)
             name = packfmt.pack_name(number)
+            size = os.path.getsize(path)
+            if number == numbers[-1] and size < packfmt.HEADER_SIZE:
+                # Created, then a crash before its header was written: it holds nothing.
+                self.recovery["truncated"].append({"pack": name, "offset": 0, "bytes": size})
+                os.remove(path)
+                _fsync_dir(self.packs_dir)
+                continue
+            result = packfmt.scan(path, offset)
             for off, reason in result.damaged:
                 self.recovery["damaged"].append({"pack": name, "offset": off, "reason": reason})
             if result.torn:
@@ -924,6 +931,9 @@ class LocalStore(Store):
         for (vol, br), sid in sorted(self._refs.items()):
             self._check_reachable(bytes.fromhex(sid), located, seen, report, f"{vol}@{br}")
         report["ok"] = not (report["damaged"] or report["missing"] or report["index_mismatch"])
+        recovery = {k: v for k, v in self.recovery.items() if v}
+        if recovery:
+            report["recovery"] = recovery
         return report
 
     def _check_reachable(self, sid: bytes, located: dict[bytes, Loc], seen: set[bytes],

@@ -1,0 +1,97 @@
+"""`strata serve` (own a store and serve it) and `strata token` (TCP credentials)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from strata.cli.common import open_remote, print_json, store_path
+from strata.server.client import default_socket
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("serve", parents=[common],
+                       help="own the store and serve it (unix socket by default)")
+    p.add_argument("--listen", action="append", default=[], metavar="ADDR",
+                   help="unix:PATH or tcp:HOST:PORT (repeatable; default: unix socket "
+                        "STORE/serve.sock); TCP clients need a token")
+    p.add_argument("--takeover", action="store_true",
+                   help="ask the running owner to hand the store over, then serve it")
+    p.add_argument("--stop", action="store_true", help="stop the running server")
+    p.add_argument("--idle-exit", type=float, default=None, metavar="S",
+                   help="exit after S seconds without requests")
+    p.set_defaults(func=cmd_serve)
+
+    t = sub.add_parser("token", parents=[common], help="create, list and revoke tokens")
+    tsub = t.add_subparsers(dest="token_command", metavar="ACTION", required=True)
+    c = tsub.add_parser("create", parents=[common],
+                        help="create a token for VOLUME[@BRANCH] (printed once)")
+    c.add_argument("scope", metavar="VOLUME[@BRANCH]")
+    mode = c.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--ro", action="store_true", help="read-only")
+    mode.add_argument("--rw", action="store_true", help="read-write")
+    c.add_argument("--ttl", type=float, default=None, metavar="S", help="expire after S seconds")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_token_create)
+    r = tsub.add_parser("revoke", parents=[common], help="revoke a token (by id or token)")
+    r.add_argument("token")
+    r.set_defaults(func=cmd_token_revoke)
+    ls = tsub.add_parser("list", parents=[common], help="list tokens (never their secrets)")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_token_list)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from strata.server.serve import run_server, stop_server  # aiohttp: only when serving
+    path = store_path(args)
+    if args.stop:
+        stopped = stop_server(default_socket(path))
+        print("stopped" if stopped else "no server was running", file=sys.stderr)
+        return 0
+
+    def ready() -> None:
+        where = ", ".join(args.listen) or f"unix:{default_socket(path)}"
+        print(f"strata: serving {path} on {where}", file=sys.stderr, flush=True)
+
+    result = asyncio.run(run_server(path, args.listen, takeover=args.takeover, on_ready=ready,
+                                    idle_exit=args.idle_exit))
+    if result.gap_seconds is not None:
+        print(f"strata: took over the store; requests waited {result.gap_seconds * 1000:.0f} ms",
+              file=sys.stderr)
+    if result.notes:
+        print(f"strata: {'; '.join(result.notes)}", file=sys.stderr)
+    return 0
+
+
+def cmd_token_create(args: argparse.Namespace) -> int:
+    volume, _, branch = args.scope.partition("@")
+    with open_remote(args) as store:
+        tok = store.admin("POST", "tokens", {"volume": volume, "branch": branch or None,
+                                             "writable": bool(args.rw), "ttl": args.ttl})
+    if args.json:
+        print_json(tok)
+    else:
+        print(tok["token"])
+    return 0
+
+
+def cmd_token_revoke(args: argparse.Namespace) -> int:
+    tid = args.token.split("_")[1] if args.token.startswith("strata_") else args.token
+    with open_remote(args) as store:
+        store.admin("DELETE", f"tokens/{tid}")
+    return 0
+
+
+def cmd_token_list(args: argparse.Namespace) -> int:
+    with open_remote(args) as store:
+        tokens = store.admin("GET", "tokens")["tokens"]
+    if args.json:
+        print_json(tokens)
+        return 0
+    for t in tokens:
+        scope = t["volume"] + (f"@{t['branch']}" if t["branch"] else "")
+        mode = "rw" if t["writable"] else "ro"
+        print(f"{t['id']}  {scope}  {mode}  expires={t['expires'] or 'never'}")
+    return 0

@@ -1,0 +1,453 @@
+"""The HTTP API over one open store (aiohttp).
+
+Requests run the engine's blocking calls in a thread pool, so concurrent
+publishes from many clients meet in the engine's group commit exactly as
+in-process threads do. While the server is starting or handing the store to
+a new owner, every store request is answered 503 with Retry-After and the
+client retries by itself. The API is described in `openapi.py` and served at
+`/openapi.json`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from strata.engine.errors import (
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    StrataError,
+    Unauthenticated,
+    Unavailable,
+)
+from strata.engine.local import LocalStore
+from strata.engine.names import check_branch, check_hex_id, check_volume
+from strata.server import wire
+from strata.server.openapi import OPENAPI
+from strata.server.tokens import OWNER, Scope, TokenStore
+
+T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+SCOPE_KEY = web.AppKey("scope_key", str)
+MAX_BODY = wire.MAX_BODY
+PREFETCH_MAX = 256 * 1024  # bytes of new tree nodes sent back with a publish
+
+
+class ServerState:
+    """What the handlers share: the store (None until open), tokens, the mode."""
+
+    def __init__(self, store_dir: str) -> None:
+        self.store_dir = store_dir
+        self.store: LocalStore | None = None
+        self.tokens = TokenStore(store_dir)
+        self.mode = "starting"      # starting -> serving -> draining -> stopped
+        self.inflight = 0
+        self.last_request = time.monotonic()
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="strata-api")
+        self.on_handoff: Callable[[], Awaitable[None]] | None = None
+        self.on_stop: Callable[[], Awaitable[None]] | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def need_store(self) -> LocalStore:
+        if self.store is None or self.mode != "serving":
+            raise Unavailable("store is changing owner; retry", retry_after=0.1)
+        return self.store
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def _scope(request: web.Request) -> Scope:
+    return request["scope"]  # type: ignore[no-any-return]
+
+
+def _is_unix(request: web.Request) -> bool:
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    return sock is not None and sock.family == socket.AF_UNIX
+
+
+def _error_response(exc: StrataError) -> web.Response:
+    status = exc.http_status
+    headers = {}
+    if isinstance(exc, Unavailable):
+        headers["Retry-After"] = f"{max(exc.retry_after, 0.05):.2f}"
+    return web.json_response(wire.error_body(exc), status=status, headers=headers)
+
+
+@web.middleware
+async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    state.last_request = time.monotonic()
+    try:
+        if _is_unix(request):
+            request["scope"] = OWNER
+        elif request.path == "/openapi.json":
+            request["scope"] = None
+        else:
+            auth = request.headers.get("Authorization", "")
+            if not auth.startswith("Bearer "):
+                raise Unauthenticated("missing bearer token")
+            request["scope"] = state.tokens.verify(auth[7:].strip())
+        if request.path.startswith("/v1/") and not request.path.startswith("/v1/admin/"):
+            state.need_store()
+            state.inflight += 1
+            state.idle.clear()
+            try:
+                return await handler(request)
+            finally:
+                state.inflight -= 1
+                if state.inflight == 0:
+                    state.idle.set()
+        return await handler(request)
+    except StrataError as exc:
+        return _error_response(exc)
+    except web.HTTPException:
+        raise
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        return _error_response(InvalidInput(f"malformed request: {exc}"))
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"request body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidInput("request body must be a JSON object")
+    return body
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...],
+           *, optional: bool = False) -> Any:
+    v = body.get(name)
+    if v is None and optional:
+        return None
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+        raise InvalidInput(f"field {name!r} is missing or has the wrong type")
+    return v
+
+
+async def _body(request: web.Request) -> bytes:
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise InvalidInput(f"request body over {MAX_BODY} bytes")
+    try:
+        data = await request.read()
+    except asyncio.IncompleteReadError as exc:
+        raise InvalidInput("request body truncated") from exc
+    if request.content_length is not None and len(data) != request.content_length:
+        raise InvalidInput("request body truncated")
+    return data
+
+
+# -- handlers ---------------------------------------------------------------------------
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(OPENAPI)
+
+
+async def info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    store = state.need_store()
+    return web.json_response({"store_id": store.store_id.hex(), "block_size": store.block_size,
+                              "version": 1})
+
+
+async def missing(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    ids = wire.decode_ids(await _body(request))
+    out = await state.run(state.need_store().missing, ids)
+    return web.Response(body=wire.encode_ids(out), content_type="application/octet-stream")
+
+
+async def put_objects(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _scope(request).check_write()
+    objs = wire.decode_objects(await _body(request))
+    ids = await state.run(state.need_store().put_objects, objs)
+    return web.json_response({"stored": len(ids)})
+
+
+async def get_object(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    oid = _oid(request.match_info["oid"])
+    raw = await state.run(state.need_store().get_object, oid)
+    rng = request.http_range
+    if rng.start is not None or rng.stop is not None:
+        start, stop, _step = rng.indices(len(raw))
+        if start >= len(raw) and len(raw) > 0:
+            return web.json_response({"error": "InvalidInput", "message": "range not satisfiable"},
+                                     status=416)
+        return web.Response(body=raw[start:stop], status=206,
+                            content_type="application/octet-stream",
+                            headers={"Content-Range": f"bytes {start}-{max(stop - 1, start)}/"
+                                                      f"{len(raw)}"})
+    return web.Response(body=raw, content_type="application/octet-stream")
+
+
+def _oid(text: str) -> bytes:
+    check_hex_id(text)
+    return bytes.fromhex(text)
+
+
+async def list_volumes(request: web.Request) -> web.Response:
+    store = request.app[STATE].need_store()
+    scope = _scope(request)
+    vols = store.list_volumes()
+    if not scope.is_owner:
+        vols = [v for v in vols if v == scope.volume]
+    return web.json_response({"volumes": vols})
+
+
+async def create_volume(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    scope = _scope(request)
+    if not scope.is_owner:
+        raise Forbidden("only the store owner creates volumes")
+    name = _field(await _json(request), "name", str)
+    head = await state.run(state.need_store().create_volume, name)
+    return web.json_response({"name": name, "head": head}, status=201)
+
+
+async def delete_volume(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not _scope(request).is_owner:
+        raise Forbidden("only the store owner deletes volumes")
+    await state.run(state.need_store().delete_volume, request.match_info["volume"])
+    return web.json_response({"deleted": request.match_info["volume"]})
+
+
+async def list_branches(request: web.Request) -> web.Response:
+    store = request.app[STATE].need_store()
+    volume = check_volume(request.match_info["volume"])
+    scope = _scope(request)
+    scope.check_volume(volume)
+    heads = store.list_branches(volume)
+    if scope.branch is not None:
+        heads = {b: h for b, h in heads.items() if b == scope.branch}
+    return web.json_response({"branches": heads})
+
+
+async def fork(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    volume = check_volume(request.match_info["volume"])
+    body = await _json(request)
+    name = check_branch(_field(body, "name", str))
+    at = _field(body, "at", str, optional=True)
+    _scope(request).check_branch(volume, name, write=True)
+    if at is not None:
+        await _check_visible(request, volume, at)
+    head = await state.run(lambda: state.need_store().fork(volume, name, at=at))
+    return web.json_response({"name": name, "head": head}, status=201)
+
+
+async def delete_branch(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    volume = check_volume(request.match_info["volume"])
+    branch = check_branch(request.match_info["branch"])
+    _scope(request).check_branch(volume, branch, write=True)
+    await state.run(state.need_store().delete_branch, volume, branch)
+    return web.json_response({"deleted": branch})
+
+
+async def find_snapshot(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    prefix = request.match_info["prefix"]
+    sid = await state.run(state.need_store().find_snapshot, prefix)
+    scope = _scope(request)
+    if not scope.is_owner:
+        volume = request.query.get("volume", "")
+        scope.check_volume(volume)
+        await _check_visible(request, volume, sid)
+    return web.json_response({"id": sid})
+
+
+async def _check_visible(request: web.Request, volume: str, sid: str) -> None:
+    """A scoped token may only name snapshots in its own volume's history."""
+    scope = _scope(request)
+    if scope.is_owner:
+        return
+    state = request.app[STATE]
+
+    def reachable() -> bool:
+        store = state.need_store()
+        for head in store.list_branches(volume).values():
+            cur: str | None = head
+            for _ in range(100_000):
+                if cur is None:
+                    break
+                if cur == sid:
+                    return True
+                cur = store.snapshot(cur).parent
+        return False
+
+    if not await state.run(reachable):
+        raise NotFound(f"no snapshot {sid} in volume {volume!r}")
+
+
+async def publish(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    changesets, objects = wire.decode_publish(await _body(request))
+    scope = _scope(request)
+    for cs in changesets:
+        scope.check_branch(cs.volume, cs.branch, write=True)
+        if not scope.is_owner:
+            await _check_visible(request, cs.volume, cs.base)
+    store = state.need_store()
+
+    def run() -> dict[str, Any]:
+        heads, nodes = store.publish_detailed(changesets, objects)
+        return {"heads": heads, "prefetch": _prefetch(store, heads, nodes)}
+
+    return web.json_response(await state.run(run))
+
+
+def _prefetch(store: LocalStore, heads: list[str], nodes: dict[bytes, bytes]
+              ) -> list[list[str]]:
+    """The new snapshots and tree nodes (up to a budget): what the client reads next."""
+    out = []
+    for head in heads:
+        raw = store.get_object(bytes.fromhex(head))
+        out.append([head, base64.b64encode(raw).decode()])
+    budget = PREFETCH_MAX
+    for oid, node in nodes.items():
+        budget -= len(node)
+        if budget < 0:
+            break
+        out.append([oid.hex(), base64.b64encode(node).decode()])
+    return out
+
+
+async def lease(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    volume = check_volume(request.match_info["volume"])
+    action = request.match_info["action"]
+    body = await _json(request)
+    branch = check_branch(_field(body, "branch", str))
+    _scope(request).check_branch(volume, branch, write=True)
+    store = state.need_store()
+    if action == "acquire":
+        ttl = float(_field(body, "ttl", (int, float)))
+        holder = str(body.get("holder") or "")
+        got = await state.run(store.acquire_lease, volume, branch, ttl, holder)
+    elif action == "renew":
+        got = await state.run(store.renew_lease, volume, branch,
+                              int(_field(body, "fencing", int)),
+                              float(_field(body, "ttl", (int, float))))
+    elif action == "release":
+        await state.run(store.release_lease, volume, branch, int(_field(body, "fencing", int)))
+        return web.json_response({"released": True})
+    else:
+        raise NotFound(f"no lease action {action!r}")
+    return web.json_response({"fencing": got.fencing, "expires_ns": got.expires_ns,
+                              "holder": got.holder})
+
+
+# -- owner-only administration ------------------------------------------------------------
+
+def _owner(request: web.Request) -> None:
+    if not _scope(request).is_owner:
+        raise Forbidden("administration is only allowed over the owner's unix socket")
+
+
+async def token_create(request: web.Request) -> web.Response:
+    _owner(request)
+    body = await _json(request)
+    ttl = _field(body, "ttl", (int, float), optional=True)
+    token, tinfo = request.app[STATE].tokens.create(
+        _field(body, "volume", str), _field(body, "branch", str, optional=True),
+        bool(_field(body, "writable", bool)), float(ttl) if ttl is not None else None)
+    return web.json_response({"token": token, "id": tinfo.id, "volume": tinfo.volume,
+                              "branch": tinfo.branch, "writable": tinfo.writable,
+                              "expires": tinfo.expires}, status=201)
+
+
+async def token_list(request: web.Request) -> web.Response:
+    _owner(request)
+    return web.json_response({"tokens": [
+        {"id": t.id, "volume": t.volume, "branch": t.branch, "writable": t.writable,
+         "expires": t.expires} for t in request.app[STATE].tokens.list()]})
+
+
+async def token_revoke(request: web.Request) -> web.Response:
+    _owner(request)
+    request.app[STATE].tokens.revoke(request.match_info["tid"])
+    return web.json_response({"revoked": request.match_info["tid"]})
+
+
+async def stats(request: web.Request) -> web.Response:
+    _owner(request)
+    store = request.app[STATE].need_store()
+    return web.json_response(dict(store.stats))
+
+
+async def fsck(request: web.Request) -> web.Response:
+    _owner(request)
+    state = request.app[STATE]
+    store = state.need_store()
+    body = await _json(request) if request.can_read_body else {}
+    if body.get("rebuild_index"):
+        rebuilt = await state.run(store.rebuild_index)
+        report = await state.run(store.fsck)
+        report["rebuilt"] = rebuilt
+    else:
+        report = await state.run(store.fsck)
+    return web.json_response(report)
+
+
+async def handoff(request: web.Request) -> web.Response:
+    _owner(request)
+    state = request.app[STATE]
+    if state.on_handoff is None:
+        raise Unavailable("this server cannot hand off")
+    await state.on_handoff()
+    return web.json_response({"released": True})
+
+
+async def stop(request: web.Request) -> web.Response:
+    _owner(request)
+    state = request.app[STATE]
+    if state.on_stop is not None:
+        asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(
+            state.on_stop() if state.on_stop else asyncio.sleep(0)))
+    return web.json_response({"stopping": True})
+
+
+def make_app(state: ServerState) -> web.Application:
+    app = web.Application(middlewares=[middleware], client_max_size=MAX_BODY)
+    app[STATE] = state
+    r = app.router
+    r.add_get("/openapi.json", openapi)
+    r.add_get("/v1/info", info)
+    r.add_post("/v1/objects/missing", missing)
+    r.add_post("/v1/objects", put_objects)
+    r.add_get("/v1/objects/{oid}", get_object)
+    r.add_get("/v1/volumes", list_volumes)
+    r.add_post("/v1/volumes", create_volume)
+    r.add_delete("/v1/volumes/{volume}", delete_volume)
+    r.add_get("/v1/volumes/{volume}/branches", list_branches)
+    r.add_post("/v1/volumes/{volume}/branches", fork)
+    r.add_delete("/v1/volumes/{volume}/branches/{branch:.+}", delete_branch)
+    r.add_post("/v1/volumes/{volume}/lease/{action}", lease)
+    r.add_get("/v1/snapshots/{prefix}", find_snapshot)
+    r.add_post("/v1/publish", publish)
+    r.add_post("/v1/admin/tokens", token_create)
+    r.add_get("/v1/admin/tokens", token_list)
+    r.add_delete("/v1/admin/tokens/{tid}", token_revoke)
+    r.add_get("/v1/admin/stats", stats)
+    r.add_post("/v1/admin/fsck", fsck)
+    r.add_post("/v1/admin/handoff", handoff)
+    r.add_post("/v1/admin/stop", stop)
+    return app

@@ -1,0 +1,285 @@
+"""The remote `Store`: the same interface as `LocalStore`, over the HTTP API.
+
+Connections are kept alive, one per thread. A 503 (the store is changing
+owner) or a refused connection is retried with backoff until `retry_for`
+seconds have passed, so a handoff is invisible to callers. Retrying a publish
+is safe: a change set that already landed replays onto itself as "both sides
+made the same change" and publishes nothing new.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any
+
+from strata.engine.errors import InvalidInput, StrataError, Unavailable
+from strata.engine.interface import ChangeSet, Lease, SnapshotInfo, Store
+from strata.engine.names import check_branch, check_volume
+from strata.engine.tree import NodeCache
+from strata.server import wire
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self._path)
+        except OSError:
+            s.close()
+            raise
+        self.sock = s
+
+
+SOCKET_NAME = "serve.sock"
+
+
+def default_socket(store_dir: str) -> str:
+    """Where a store's server listens unless told otherwise."""
+    return os.path.join(store_dir, SOCKET_NAME)
+
+
+def is_serving(socket_path: str) -> bool:
+    """True if a server accepts connections on `socket_path`."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(socket_path)
+    except OSError:
+        return False
+    finally:
+        s.close()
+    return True
+
+
+def parse_server(url: str) -> tuple[str, str, int]:
+    """`unix:PATH` or `http://HOST:PORT` -> (kind, host-or-path, port)."""
+    if url.startswith("unix:"):
+        return "unix", url[5:], 0
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme != "http" or not parsed.hostname:
+        raise InvalidInput(f"server must be unix:PATH or http://HOST:PORT, not {url!r}")
+    return "tcp", parsed.hostname, parsed.port or 80
+
+
+class RemoteStore(Store):
+    """A `Store` served by `strata serve` (see the module docstring)."""
+
+    def __init__(self, url: str, token: str | None = None, *, retry_for: float = 30.0,
+                 timeout: float = 120.0) -> None:
+        self.url = url
+        self.kind, self.where, self.port = parse_server(url)
+        self.token = token
+        self.retry_for = retry_for
+        self.timeout = timeout
+        self._local = threading.local()
+        self.node_cache = NodeCache()
+        self._snap_cache: dict[str, SnapshotInfo] = {}
+        self._block_size: int | None = None
+
+    # -- transport -------------------------------------------------------------------
+
+    def _conn(self) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            if self.kind == "unix":
+                conn = _UnixConnection(self.where, self.timeout)
+            else:
+                conn = http.client.HTTPConnection(self.where, self.port, timeout=self.timeout)
+            self._local.conn = conn
+        return conn
+
+    def _drop_conn(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                ctype: str = "application/json", headers: dict[str, str] | None = None,
+                ) -> tuple[int, dict[str, str], bytes]:
+        """One API call with retries on 503 and on a missing or restarting server."""
+        hdrs = {"Content-Type": ctype, **(headers or {})}
+        if self.token:
+            hdrs["Authorization"] = f"Bearer {self.token}"
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.02
+        while True:
+            try:
+                conn = self._conn()
+                conn.request(method, path, body=body, headers=hdrs)
+                resp = conn.getresponse()
+                data = resp.read()
+                status = resp.status
+                rheaders = {k.lower(): v for k, v in resp.getheaders()}
+                if rheaders.get("connection", "").lower() == "close":
+                    self._drop_conn()
+            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timeout
+                self._drop_conn()
+                if time.monotonic() >= deadline:
+                    raise Unavailable(f"cannot reach strata server at {self.url}: {exc}") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+                continue
+            if status == 503 and time.monotonic() < deadline:
+                try:
+                    wait = float(rheaders.get("retry-after", delay))
+                except ValueError:
+                    wait = delay
+                time.sleep(min(max(wait, 0.01), 1.0, max(deadline - time.monotonic(), 0)))
+                continue
+            if status >= 400:
+                try:
+                    err = json.loads(data)
+                except ValueError:
+                    err = {"message": data[:200].decode(errors="replace")}
+                wire.raise_error(status, err if isinstance(err, dict) else {})
+            return status, rheaders, data
+
+    def _json(self, method: str, path: str, payload: Any = None) -> Any:
+        body = None if payload is None else json.dumps(payload).encode()
+        _s, _h, data = self.request(method, path, body)
+        return json.loads(data) if data else None
+
+    # -- Store -------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        if self._block_size is None:
+            self._block_size = int(self._json("GET", "/v1/info")["block_size"])
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, value: int) -> None:
+        self._block_size = value
+
+    def missing(self, ids: Sequence[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        for start in range(0, len(ids), 100_000):
+            _s, _h, data = self.request("POST", "/v1/objects/missing",
+                                        wire.encode_ids(ids[start:start + 100_000]),
+                                        "application/octet-stream")
+            out += wire.decode_ids(data)
+        return out
+
+    def put_objects(self, objects: Sequence[tuple[int, bytes]]) -> list[bytes]:
+        from strata.engine.objects import object_id
+        batch: list[tuple[int, bytes]] = []
+        size = 0
+        for kind, raw in objects:
+            batch.append((kind, raw))
+            size += len(raw)
+            if size >= 32 * 1024 * 1024:
+                self._put(batch)
+                batch, size = [], 0
+        if batch:
+            self._put(batch)
+        return [object_id(k, r) for k, r in objects]
+
+    def _put(self, batch: list[tuple[int, bytes]]) -> None:
+        self.request("POST", "/v1/objects", wire.encode_objects(batch),
+                     "application/octet-stream")
+
+    def get_object(self, oid: bytes) -> bytes:
+        _s, _h, data = self.request("GET", f"/v1/objects/{oid.hex()}")
+        return data
+
+    def get_range(self, oid: bytes, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        _s, _h, data = self.request("GET", f"/v1/objects/{oid.hex()}",
+                                    headers={"Range": f"bytes={offset}-{offset + length - 1}"})
+        return data
+
+    def snapshot(self, sid: str) -> SnapshotInfo:
+        info = self._snap_cache.get(sid)
+        if info is None:
+            info = super().snapshot(sid)
+            if len(self._snap_cache) > 4096:
+                self._snap_cache.clear()
+            self._snap_cache[sid] = info
+        return info
+
+    def create_volume(self, name: str) -> str:
+        return str(self._json("POST", "/v1/volumes", {"name": check_volume(name)})["head"])
+
+    def delete_volume(self, name: str) -> None:
+        self._json("DELETE", f"/v1/volumes/{check_volume(name)}")
+
+    def list_volumes(self) -> list[str]:
+        return list(self._json("GET", "/v1/volumes")["volumes"])
+
+    def list_branches(self, volume: str) -> dict[str, str]:
+        return dict(self._json("GET", f"/v1/volumes/{check_volume(volume)}/branches")[
+            "branches"])
+
+    def fork(self, volume: str, new_branch: str, *, at: str | None) -> str:
+        check_volume(volume)
+        check_branch(new_branch)
+        return str(self._json("POST", f"/v1/volumes/{volume}/branches",
+                              {"name": new_branch, "at": at})["head"])
+
+    def delete_branch(self, volume: str, branch: str) -> None:
+        self._json("DELETE", f"/v1/volumes/{check_volume(volume)}/branches/"
+                             f"{check_branch(branch)}")
+
+    def find_snapshot(self, prefix: str) -> str:
+        return str(self._json("GET", f"/v1/snapshots/{urllib.parse.quote(prefix)}")["id"])
+
+    def acquire_lease(self, volume: str, branch: str, ttl: float, holder: str = "") -> Lease:
+        r = self._json("POST", f"/v1/volumes/{check_volume(volume)}/lease/acquire",
+                       {"branch": branch, "ttl": ttl, "holder": holder})
+        return Lease(int(r["fencing"]), int(r["expires_ns"]), str(r.get("holder", "")))
+
+    def renew_lease(self, volume: str, branch: str, fencing: int, ttl: float) -> Lease:
+        r = self._json("POST", f"/v1/volumes/{check_volume(volume)}/lease/renew",
+                       {"branch": branch, "fencing": fencing, "ttl": ttl})
+        return Lease(int(r["fencing"]), int(r["expires_ns"]), str(r.get("holder", "")))
+
+    def release_lease(self, volume: str, branch: str, fencing: int) -> None:
+        self._json("POST", f"/v1/volumes/{check_volume(volume)}/lease/release",
+                   {"branch": branch, "fencing": fencing})
+
+    def publish(self, changesets: Sequence[ChangeSet],
+                objects: Sequence[tuple[int, bytes]] = ()) -> list[str]:
+        if not changesets:
+            raise InvalidInput("nothing to publish")
+        _s, _h, data = self.request("POST", "/v1/publish",
+                                    wire.encode_publish(changesets, objects),
+                                    "application/msgpack")
+        reply = json.loads(data)
+        for oid, raw64 in reply.get("prefetch") or ():
+            self._prefetched(oid, base64.b64decode(raw64))
+        return [str(h) for h in reply["heads"]]
+
+    def _prefetched(self, oid_hex: str, raw: bytes) -> None:
+        # Verified like any object: the cache must never hold bytes under a wrong id.
+        from strata.engine.objects import SNAPSHOT, TREE, Snapshot, TreeNode, object_id
+        oid = bytes.fromhex(oid_hex)
+        if object_id(SNAPSHOT, raw) == oid:
+            self._snap_cache[oid_hex] = SnapshotInfo.of(oid_hex, Snapshot.decode(raw))
+        elif object_id(TREE, raw) == oid:
+            self.node_cache.put(oid, TreeNode.decode(raw))
+
+    # -- owner administration (unix socket) ---------------------------------------------
+
+    def admin(self, method: str, path: str, payload: Any = None) -> Any:
+        return self._json(method, f"/v1/admin/{path}", payload)
+
+    def close(self) -> None:
+        self._drop_conn()
+
+
+def is_store_error(exc: BaseException) -> bool:
+    return isinstance(exc, StrataError)

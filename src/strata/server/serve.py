@@ -1,0 +1,223 @@
+"""The owning process: open the store, listen, hand off, stop.
+
+`strata serve` holds the store's lock for as long as it runs. A second
+`serve` without `--takeover` fails at once naming the owner. With
+`--takeover` the new process binds its listeners first (a fresh unix socket
+renamed over the old path; TCP ports shared through SO_REUSEPORT), answers
+503 "retry" on them, asks the old owner to drain and release the store, then
+opens it. Clients retry through the gap, so no call fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from strata.engine.errors import InvalidInput, StrataError, Unavailable
+from strata.engine.local import LocalStore, StoreConfig, read_store_meta
+from strata.server.app import ServerState, make_app
+from strata.server.client import _UnixConnection, default_socket, is_serving
+
+
+@dataclass
+class Listener:
+    spec: str
+    sock: socket.socket
+    unix_path: str | None = None
+    tmp_path: str | None = None
+
+
+@dataclass
+class ServeResult:
+    gap_seconds: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _bind(spec: str, store_dir: str) -> Listener:
+    if spec.startswith("unix:"):
+        path = os.path.abspath(spec[5:])
+        tmp = f"{path}.new-{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is born 0600: only the store's owner connects
+        try:
+            s.bind(tmp)
+        finally:
+            os.umask(old)
+        s.listen(512)
+        s.setblocking(False)
+        return Listener(spec, s, unix_path=path, tmp_path=tmp)
+    if spec.startswith("tcp:"):
+        host, _, port = spec[4:].rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidInput(f"listen address must be tcp:HOST:PORT, not {spec!r}")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # shared during a handoff
+        s.bind((host.strip("[]"), int(port)))
+        s.listen(512)
+        s.setblocking(False)
+        return Listener(spec, s)
+    raise InvalidInput(f"listen address must be unix:PATH or tcp:HOST:PORT, not {spec!r}")
+
+
+def _owner_connection(path: str) -> _UnixConnection | None:
+    conn = _UnixConnection(path, timeout=60.0)
+    try:
+        conn.connect()
+    except OSError:
+        return None
+    return conn
+
+
+async def run_server(store_dir: str, listens: list[str], *, takeover: bool = False,
+                     config: StoreConfig | None = None,
+                     on_ready: object = None,
+                     idle_exit: float | None = None) -> ServeResult:
+    """Serve `store_dir` until stopped or handed off; returns what happened."""
+    store_dir = os.path.abspath(store_dir)
+    read_store_meta(store_dir)  # a clear error if this is not a store
+    result = ServeResult()
+    listens = listens or [f"unix:{default_socket(store_dir)}"]
+    listeners = [_bind(spec, store_dir) for spec in listens]
+    state = ServerState(store_dir)
+    app = make_app(state)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    for lst in listeners:
+        await web.SockSite(runner, lst.sock).start()
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+
+    # Ask the previous owner to step aside (it keeps its connections answered with 503).
+    old = None
+    if takeover:
+        for lst in listeners:
+            if lst.unix_path is not None and old is None:
+                old = await loop.run_in_executor(None, _owner_connection, lst.unix_path)
+    def publish_sockets() -> None:
+        for lst in listeners:
+            if lst.tmp_path is not None and lst.unix_path is not None:
+                os.rename(lst.tmp_path, lst.unix_path)
+                lst.tmp_path = None
+
+    if takeover:
+        publish_sockets()  # new connections reach us now, and get 503 until we own the store
+    gap_start = time.monotonic()
+    if old is not None:
+        def ask() -> None:
+            old.request("POST", "/v1/admin/handoff", body=b"{}",
+                        headers={"Content-Type": "application/json"})
+            resp = old.getresponse()
+            resp.read()
+            if resp.status != 200:
+                raise Unavailable(f"previous owner refused the handoff ({resp.status})")
+        try:
+            await loop.run_in_executor(None, ask)
+        finally:
+            old.close()
+    try:
+        cfg = config or StoreConfig(lock_timeout=30.0 if takeover else 0.0)
+        state.store = await loop.run_in_executor(state.executor,
+                                                 lambda: LocalStore(store_dir, cfg))
+    except BaseException:
+        await _close_listeners(runner, listeners)
+        raise
+    publish_sockets()  # without --takeover only once the store's lock is ours
+    state.mode = "serving"
+    if old is not None:
+        result.gap_seconds = time.monotonic() - gap_start
+
+    async def release() -> None:
+        """Drain in-flight requests, close the store, keep answering 503."""
+        if state.mode != "serving":
+            return
+        state.mode = "draining"
+        await state.idle.wait()
+        store, state.store = state.store, None
+        if store is not None:
+            await loop.run_in_executor(state.executor, store.close)
+
+    async def on_handoff() -> None:
+        await release()
+        result.notes.append("handed off")
+        # Our listeners stay up a moment so late requests get 503, not refusals.
+        loop.call_later(0.5, done.set)
+
+    async def on_stop() -> None:
+        await release()
+        done.set()
+
+    state.on_handoff = on_handoff
+    state.on_stop = on_stop
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(on_stop()))
+    if callable(on_ready):
+        on_ready()
+
+    async def watch_idle(limit: float) -> None:
+        while not done.is_set():
+            await asyncio.sleep(min(limit, 1.0))
+            if state.inflight == 0 and time.monotonic() - state.last_request > limit:
+                await on_stop()
+                return
+
+    idle_task = asyncio.ensure_future(watch_idle(idle_exit)) if idle_exit else None
+    await done.wait()
+    if idle_task is not None:
+        idle_task.cancel()
+    await _close_listeners(runner, listeners, unlink="handed off" not in result.notes)
+    state.executor.shutdown(wait=True)
+    return result
+
+
+async def _close_listeners(runner: web.AppRunner, listeners: list[Listener],
+                           unlink: bool = True) -> None:
+    for lst in listeners:
+        if unlink and lst.unix_path is not None:
+            # Remove the path only if it is still our socket (not a successor's).
+            try:
+                if os.stat(lst.unix_path).st_ino == os.fstat(lst.sock.fileno()).st_ino:
+                    os.unlink(lst.unix_path)
+            except OSError:
+                pass
+        if lst.tmp_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(lst.tmp_path)
+    await runner.cleanup()
+
+
+def stop_server(socket_path: str, timeout: float = 30.0) -> bool:
+    """Ask the server on `socket_path` to stop; wait until it is gone."""
+    conn = _owner_connection(socket_path)
+    if conn is None:
+        return False
+    try:
+        conn.request("POST", "/v1/admin/stop", body=b"{}",
+                     headers={"Content-Type": "application/json"})
+        conn.getresponse().read()
+    except (OSError, http.client.HTTPException):
+        pass
+    finally:
+        conn.close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        probe = _owner_connection(socket_path)
+        if probe is None:
+            return True
+        probe.close()
+        time.sleep(0.05)
+    raise Unavailable(f"server on {socket_path} did not stop within {timeout:g}s")
+
+
+__all__ = ["run_server", "stop_server", "is_serving", "default_socket", "StrataError"]

@@ -1,0 +1,175 @@
+"""Encodings shared by the server and the remote client.
+
+- id lists: concatenated 32-byte ids (application/octet-stream);
+- object batches: records of kind (u8), id (32 bytes), length (u32 LE), raw
+  bytes; the receiver recomputes every id and refuses a batch in which any
+  object does not match its id;
+- change sets: msgpack (entries as in docs/format.md);
+- errors: JSON `{"error": <class>, "message": ..., "paths": [...]}`.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from strata.engine import errors
+from strata.engine.errors import InvalidInput, StrataError
+from strata.engine.interface import ChangeSet
+from strata.engine.objects import ID_LEN, KIND_NAMES, Entry, object_id, packb, unpackb
+
+OBJ_HEAD = struct.Struct("<B32sI")
+MAX_BODY = 256 * 1024 * 1024
+MAX_IDS = 1_000_000
+
+
+def encode_ids(ids: Sequence[bytes]) -> bytes:
+    return b"".join(ids)
+
+
+def decode_ids(body: bytes) -> list[bytes]:
+    if len(body) % ID_LEN:
+        raise InvalidInput("id list length is not a multiple of 32 bytes")
+    if len(body) // ID_LEN > MAX_IDS:
+        raise InvalidInput(f"more than {MAX_IDS} ids in one request")
+    return [body[i:i + ID_LEN] for i in range(0, len(body), ID_LEN)]
+
+
+def encode_objects(objects: Sequence[tuple[int, bytes]]) -> bytes:
+    out = []
+    for kind, raw in objects:
+        out.append(OBJ_HEAD.pack(kind, object_id(kind, raw), len(raw)))
+        out.append(raw)
+    return b"".join(out)
+
+
+def decode_objects(body: bytes) -> list[tuple[int, bytes]]:
+    """Parse and verify an object batch; any bad record refuses the whole batch."""
+    out: list[tuple[int, bytes]] = []
+    pos = 0
+    view = memoryview(body)
+    while pos < len(body):
+        if pos + OBJ_HEAD.size > len(body):
+            raise InvalidInput(f"object batch truncated in a record header at byte {pos}")
+        kind, oid, length = OBJ_HEAD.unpack_from(body, pos)
+        pos += OBJ_HEAD.size
+        if kind not in KIND_NAMES:
+            raise InvalidInput(f"unknown object kind {kind} at byte {pos - OBJ_HEAD.size}")
+        if pos + length > len(body):
+            raise InvalidInput(f"object batch truncated: object {oid.hex()} needs {length} "
+                               f"bytes, {len(body) - pos} left")
+        raw = bytes(view[pos:pos + length])
+        pos += length
+        if object_id(kind, raw) != oid:
+            raise InvalidInput(f"object content does not match its id {oid.hex()}")
+        out.append((kind, raw))
+    return out
+
+
+def encode_publish(changesets: Sequence[ChangeSet],
+                   objects: Sequence[tuple[int, bytes]] = ()) -> bytes:
+    """A publish request: the change sets plus objects to store with them."""
+    return packb({"changesets": _changesets(changesets),
+                  "objects": encode_objects(objects) if objects else None})
+
+
+def decode_publish(body: bytes) -> tuple[list[ChangeSet], list[tuple[int, bytes]]]:
+    try:
+        raw = unpackb(body)
+    except ValueError as exc:
+        raise InvalidInput(f"publish body is not msgpack: {exc}") from exc
+    if not isinstance(raw, dict) or "changesets" not in raw:
+        raise InvalidInput("publish body must be a map with 'changesets'")
+    objs = raw.get("objects")
+    if objs is not None and not isinstance(objs, bytes):
+        raise InvalidInput("'objects' must be a binary object batch")
+    return _decode_changesets(raw["changesets"]), decode_objects(objs) if objs else []
+
+
+def _changesets(changesets: Sequence[ChangeSet]) -> list[dict[str, Any]]:
+    return [{
+        "volume": cs.volume, "branch": cs.branch, "base": cs.base,
+        "changes": [[p, None if e is None else e.to_list()] for p, e in cs.changes.items()],
+        "message": cs.message, "meta": cs.meta, "lease": cs.lease,
+    } for cs in changesets]
+
+
+def _decode_changesets(raw: Any) -> list[ChangeSet]:
+    if not isinstance(raw, list) or not raw:
+        raise InvalidInput("publish body must be a non-empty list of change sets")
+    out = []
+    for cs in raw:
+        try:
+            if not isinstance(cs, dict):
+                raise TypeError("change set is not a map")
+            changes: dict[str, Entry | None] = {}
+            for item in cs["changes"]:
+                path, e = item
+                if not isinstance(path, str):
+                    raise TypeError("path is not a string")
+                if path in changes:
+                    raise TypeError(f"path {path!r} appears twice")
+                changes[path] = None if e is None else _entry(e)
+            meta = cs.get("meta") or {}
+            lease = cs.get("lease")
+            if not isinstance(meta, dict) or (lease is not None and not isinstance(lease, int)):
+                raise TypeError("meta must be a map and lease an integer")
+            for field in ("volume", "branch", "base"):
+                if not isinstance(cs[field], str):
+                    raise TypeError(f"{field} must be a string")
+            out.append(ChangeSet(cs["volume"], cs["branch"], cs["base"], changes,
+                                 str(cs.get("message") or ""), meta, lease))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidInput(f"malformed change set: {exc}") from exc
+    return out
+
+
+def _entry(v: Any) -> Entry:
+    if not isinstance(v, list) or len(v) != 12:
+        raise TypeError("entry must be a list of 12 fields")
+    for i in (0, 1, 2, 3, 4, 5, 8, 10, 11):
+        if not isinstance(v[i], int) or isinstance(v[i], bool):
+            raise TypeError(f"entry field {i} must be an integer")
+    for i in (6, 7):
+        if v[i] is not None and not isinstance(v[i], bytes):
+            raise TypeError(f"entry field {i} must be bytes or nil")
+    if v[9] is not None and not (isinstance(v[9], list) and all(
+            isinstance(x, list) and len(x) == 2 and all(isinstance(y, bytes) for y in x)
+            for x in v[9])):
+        raise TypeError("xattrs must be a list of [name, value] byte pairs")
+    return Entry.from_list(v)
+
+
+ERROR_CLASSES: dict[str, type[StrataError]] = {
+    cls.__name__: cls for cls in (
+        errors.InvalidInput, errors.NotFound, errors.AlreadyExists, errors.Conflict,
+        errors.Corrupt, errors.Unavailable, errors.Forbidden, errors.Unauthenticated,
+        errors.StoreFailed,
+        errors.StrataError)
+}
+
+
+def error_body(exc: StrataError) -> dict[str, Any]:
+    body: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc)}
+    if isinstance(exc, errors.Conflict):
+        body["paths"] = exc.paths
+    return body
+
+
+def raise_error(status: int, body: dict[str, Any]) -> None:
+    """Turn an error response back into the exception the server raised."""
+    name = str(body.get("error", ""))
+    message = str(body.get("message") or f"server answered {status}")
+    if name == "Conflict":
+        raise errors.Conflict(list(body.get("paths") or []), message)
+    if name == "Corrupt":
+        raise errors.StrataError(message)
+    if name == "Unavailable" or status == 503:
+        raise errors.Unavailable(message)
+    cls = ERROR_CLASSES.get(name)
+    if cls is None:
+        cls = {400: errors.InvalidInput, 401: errors.Forbidden, 403: errors.Forbidden,
+               404: errors.NotFound, 409: errors.AlreadyExists, 413: errors.InvalidInput,
+               }.get(status, errors.StrataError)
+    raise cls(message)

@@ -1,0 +1,71 @@
+"""The writer process of tests/test_crash.py: publishes in a loop until killed.
+
+Usage: python crash_writer.py STORE RUN THREADS
+
+Each thread publishes one new file per commit to branch ``live`` of volume
+``v`` (under ``t<thread>/r<run>/``; ``t<thread>`` is made by the test) and, once
+`commit` has returned, prints ``ack <thread> <run> <n> <snapshot id>`` and
+flushes, so every printed line is a publish the store acknowledged as
+durable. Content is a pure function of the path, so the test can check
+every file it finds, acknowledged or not.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import blake3
+
+from strata.engine.local import LocalStore, StoreConfig
+from strata.engine.txn import Transaction
+
+# Mostly small files (inline, or one or two blocks), now and then one of several blocks.
+SIZES = [1, 300, 700, 2000, 4096, 4097, 5000, 9000, 20_000, 70_000]
+
+
+def path_of(thread: int, run: int, n: int) -> str:
+    return f"t{thread}/r{run}/{n}"
+
+
+def content_of(path: str) -> bytes:
+    n = SIZES[blake3.blake3(path.encode()).digest()[0] % len(SIZES)]
+    return blake3.blake3(path.encode()).digest(length=n)
+
+
+def main() -> None:
+    store_dir, run, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    # Small packs and a short age limit: seals and new packs happen between kills.
+    store = LocalStore(store_dir, StoreConfig(pack_size_limit=512 * 1024, pack_age_limit=0.2,
+                                              lock_timeout=10))
+    out = threading.Lock()
+
+    def loop(thread: int) -> None:
+        try:
+            for n in range(1_000_000):
+                path = path_of(thread, run, n)
+                t = Transaction(store, "v")
+                if n == 0:
+                    t.mkdir(path.rpartition("/")[0])
+                t.write(path, content_of(path), mtime_ns=0)
+                sid = t.commit(f"{path}")
+                with out:
+                    sys.stdout.write(f"ack {thread} {run} {n} {sid}\n")
+                    sys.stdout.flush()
+                time.sleep(0.002)  # fewer, not slower, publishes: keeps the store small
+        except BaseException as exc:  # noqa: BLE001 - any failure ends the process loudly
+            sys.stderr.write(f"writer thread {thread} failed: {exc!r}\n")
+            sys.stderr.flush()
+            os._exit(3)
+
+    workers = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
+if __name__ == "__main__":
+    main()

@@ -206,6 +206,7 @@ class LocalStore(Store):
         self._branch_locks_guard = threading.Lock()
         self._read_fds: dict[int, int] = {}
         self._read_fds_guard = threading.Lock()
+        self._index_lock = threading.Lock()
         try:
             self._open_index_and_recover()
         except BaseException:
@@ -251,8 +252,9 @@ class LocalStore(Store):
             self.put_objects([(TREE, EMPTY_TREE), (SNAPSHOT, EMPTY_SNAPSHOT_RAW)])
             self._commit([])
 
-    def _replay(self, start: Pos | None) -> None:
+    def _replay(self, start: Pos | None, into: Index | None = None) -> None:
         """Bring the index up to the end of the packs, truncating a torn tail."""
+        index = into if into is not None else self.index
         numbers = self._pack_numbers()
         for number in numbers:
             if start is not None and number < start[0]:
@@ -294,7 +296,7 @@ class LocalStore(Store):
                         self.recovery["damaged"].append(
                             {"pack": name, "offset": rec.offset, "reason": "bad commit payload"})
             self.recovery["replayed"] += len(result.records)
-            self.index.apply(objs, ops, (number, result.end))
+            index.apply(objs, ops, (number, result.end))
 
     def _open_writer(self) -> None:
         numbers = self._pack_numbers()
@@ -475,6 +477,12 @@ class LocalStore(Store):
                         self._seal_locked()
 
     def _flush_index(self) -> None:
+        # One flusher at a time: batches must reach LMDB in order, or `applied`
+        # could pass a batch another thread has popped but not yet written.
+        with self._index_lock:
+            self._flush_index_locked()
+
+    def _flush_index_locked(self) -> None:
         durable = self._durable
         objs: list[tuple[bytes, Loc]] = []
         ops: list[list[Any]] = []
@@ -974,12 +982,22 @@ class LocalStore(Store):
 
     def rebuild_index(self) -> dict[str, Any]:
         """Throw the index away and rebuild it by replaying every pack."""
-        self.sync_index()
         with self._append_lock:
-            self.index.close()
-            Index.destroy(self.index_dir)
-            self.index = Index(self.index_dir)
-            self._replay(None)
+            # Nothing is appended meanwhile, and everything appended is durable
+            # first: the rebuilt index must not name records a crash could cut.
+            fd, number, offset, _b = self._tail
+            self._wait_durable((number, offset))
+            with self._index_lock:
+                self._flush_index_locked()
+                tmp = self.index_dir + ".rebuild"
+                Index.destroy(tmp)
+                fresh = Index(tmp)
+                self._replay(None, into=fresh)
+                fresh.close()
+                self.index.close()  # readers racing this admin call may see an error
+                Index.destroy(self.index_dir)
+                os.rename(tmp, self.index_dir)
+                self.index = Index(self.index_dir)
             vols, refs = self.index.load_state()
         return {"volumes": len(vols), "branches": len(refs),
                 "objects": self.index.count_objects()}

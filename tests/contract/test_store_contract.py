@@ -499,6 +499,35 @@ def test_concurrent_publishers_on_one_branch_all_land(store: Store) -> None:
     assert len(store.log(store.head("v", "live"))) == 4 * 15 + 2
 
 
+def test_publishes_racing_a_volume_delete_land_or_fail_with_not_found(store: Store) -> None:
+    # Rounds of: a thread publishing in a loop while the volume is deleted under it.
+    unexpected: list[BaseException] = []
+
+    def publisher(base: str, started: threading.Event) -> None:
+        try:
+            for i in range(1000):
+                store.publish([ChangeSet("x", "live", base, {
+                    f"f{i}": Entry(kind=K_FILE, size=1, data=b"a")})])
+                started.set()
+        except NotFound:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            unexpected.append(exc)
+        finally:
+            started.set()
+
+    for _ in range(60):
+        store.create_volume("x")
+        started = threading.Event()
+        th = threading.Thread(target=publisher, args=(store.head("x", "live"), started))
+        th.start()
+        started.wait(10)
+        store.delete_volume("x")
+        th.join()
+        assert "x" not in store.list_volumes()
+    assert not unexpected, unexpected
+
+
 # -- leases ----------------------------------------------------------------------------------
 
 def test_leases_fence_publishers(store: Store) -> None:

@@ -1040,9 +1040,12 @@ def _check_message_meta(message: object, meta: object) -> None:
         raise InvalidInput(f"snapshot meta cannot be stored: {exc}") from exc
 
 
-class _CasMismatch(Exception):
+class _CasMismatch(NotFound):
+    # Retried by _commit_retry. Elsewhere the branch locks rule it out except when
+    # the volume was deleted meanwhile, which is what callers then see: NotFound.
     def __init__(self, vol: str, br: str, old: str | None, cur: str | None) -> None:
-        super().__init__(f"{vol}@{br}: expected {old}, found {cur}")
+        super().__init__(f"{vol}@{br} was moved or deleted meanwhile "
+                         f"(expected {old}, found {cur})")
 
 
 def _apply_op(op: list[Any], vols: set[str], refs: dict[tuple[str, str], str]) -> None:

@@ -63,8 +63,18 @@ class ServerState:
 
     def need_store(self) -> LocalStore:
         if self.store is None or self.mode != "serving":
-            raise Unavailable("store is changing owner; retry", retry_after=0.1)
+            raise ChangingOwner("store is changing owner; retry", retry_after=0.1)
         return self.store
+
+
+class ChangingOwner(Unavailable):
+    """No store is open here for a moment (starting, handing off): the client retries.
+
+    Only this 503 carries Retry-After. The engine's own Unavailable (a branch
+    leased by another, a full disk) goes back to the caller at once: the
+    Store contract lets the caller decide, and retrying a held lease for
+    half a minute would only hide it.
+    """
 
 
 STATE = web.AppKey("state", ServerState)
@@ -82,7 +92,7 @@ def _is_unix(request: web.Request) -> bool:
 def _error_response(exc: StrataError) -> web.Response:
     status = exc.http_status
     headers = {}
-    if isinstance(exc, Unavailable):
+    if isinstance(exc, ChangingOwner):
         headers["Retry-After"] = f"{max(exc.retry_after, 0.05):.2f}"
     return web.json_response(wire.error_body(exc), status=status, headers=headers)
 

@@ -132,7 +132,9 @@ class RemoteStore(Store):
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
                 continue
-            if status == 503 and time.monotonic() < deadline:
+            # Only a 503 with Retry-After means "no owner for a moment"; any other 503
+            # (a leased branch, a full disk) is the store's answer.
+            if status == 503 and "retry-after" in rheaders and time.monotonic() < deadline:
                 try:
                     wait = float(rheaders.get("retry-after", delay))
                 except ValueError:

@@ -15,8 +15,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("serve", parents=[common],
                        help="own the store and serve it (unix socket by default)")
     p.add_argument("--listen", action="append", default=[], metavar="ADDR",
-                   help="unix:PATH or tcp:HOST:PORT (repeatable; default: unix socket "
-                        "STORE/serve.sock); TCP clients need a token")
+                   help="unix:PATH or tcp:HOST:PORT (repeatable; the unix socket "
+                        "STORE/serve.sock is always served too); TCP clients need a token")
     p.add_argument("--takeover", action="store_true",
                    help="ask the running owner to hand the store over, then serve it")
     p.add_argument("--stop", action="store_true", help="stop the running server")
@@ -44,22 +44,26 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from strata.server.serve import run_server, stop_server  # aiohttp: only when serving
+    from strata.server.serve import (  # aiohttp: only when serving
+        ServeResult,
+        run_server,
+        stop_server,
+    )
     path = store_path(args)
     if args.stop:
         stopped = stop_server(default_socket(path))
         print("stopped" if stopped else "no server was running", file=sys.stderr)
         return 0
 
-    def ready() -> None:
+    def ready(result: ServeResult) -> None:
         where = ", ".join(args.listen) or f"unix:{default_socket(path)}"
         print(f"strata: serving {path} on {where}", file=sys.stderr, flush=True)
+        if result.gap_seconds is not None:  # printed now, not when this server exits
+            print(f"strata: took over the store; requests waited "
+                  f"{result.gap_seconds * 1000:.0f} ms", file=sys.stderr, flush=True)
 
     result = asyncio.run(run_server(path, args.listen, takeover=args.takeover, on_ready=ready,
                                     idle_exit=args.idle_exit))
-    if result.gap_seconds is not None:
-        print(f"strata: took over the store; requests waited {result.gap_seconds * 1000:.0f} ms",
-              file=sys.stderr)
     if result.notes:
         print(f"strata: {'; '.join(result.notes)}", file=sys.stderr)
     return 0

@@ -123,7 +123,12 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
                     state.idle.set()
         return await handler(request)
     except StrataError as exc:
-        return _error_response(exc)
+        resp = _error_response(exc)
+        if isinstance(exc, Unavailable) and state.mode == "draining":
+            # The store has a new owner (or none): a kept-alive connection would only
+            # get 503 until we exit, so make the client reconnect, to the successor.
+            resp.force_close()
+        return resp
     except web.HTTPException:
         raise
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:

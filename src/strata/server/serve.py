@@ -33,6 +33,7 @@ class Listener:
     sock: socket.socket
     unix_path: str | None = None
     tmp_path: str | None = None
+    unix_ino: int = 0  # the socket file's inode, to tell ours from a successor's
 
 
 @dataclass
@@ -55,7 +56,7 @@ def _bind(spec: str, store_dir: str) -> Listener:
             os.umask(old)
         s.listen(512)
         s.setblocking(False)
-        return Listener(spec, s, unix_path=path, tmp_path=tmp)
+        return Listener(spec, s, unix_path=path, tmp_path=tmp, unix_ino=os.stat(tmp).st_ino)
     if spec.startswith("tcp:"):
         host, _, port = spec[4:].rpartition(":")
         if not host or not port.isdigit():
@@ -88,7 +89,11 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     store_dir = os.path.abspath(store_dir)
     read_store_meta(store_dir)  # a clear error if this is not a store
     result = ServeResult()
-    listens = listens or [f"unix:{default_socket(store_dir)}"]
+    # The store's own socket is always served: --takeover, --stop and the CLI reach the
+    # owner through it, whatever else it listens on.
+    own = f"unix:{default_socket(store_dir)}"
+    if not any(os.path.abspath(s[5:]) == own[5:] for s in listens if s.startswith("unix:")):
+        listens = [own, *listens]
     listeners = [_bind(spec, store_dir) for spec in listens]
     state = ServerState(store_dir)
     app = make_app(state)
@@ -163,7 +168,7 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(on_stop()))
     if callable(on_ready):
-        on_ready()
+        on_ready(result)  # gap_seconds is known by now: the CLI reports it at once
 
     async def watch_idle(limit: float) -> None:
         while not done.is_set():
@@ -187,7 +192,7 @@ async def _close_listeners(runner: web.AppRunner, listeners: list[Listener],
         if unlink and lst.unix_path is not None:
             # Remove the path only if it is still our socket (not a successor's).
             try:
-                if os.stat(lst.unix_path).st_ino == os.fstat(lst.sock.fileno()).st_ino:
+                if os.stat(lst.unix_path).st_ino == lst.unix_ino:
                     os.unlink(lst.unix_path)
             except OSError:
                 pass

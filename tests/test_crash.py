@@ -73,8 +73,16 @@ def test_acknowledged_publishes_survive_sigkill(tmp_path: Path) -> None:
             proc = subprocess.Popen(
                 [sys.executable, str(HERE / "crash_writer.py"), str(store_dir), str(kills), "2"],
                 stdout=sink, stderr=subprocess.PIPE)
-            # Early kills land in start-up and recovery, later ones mid-publish.
-            time.sleep(rng.uniform(0.02, 0.6))
+            if rng.random() < 0.3:
+                # Early: in start-up, recovery, or the first publishes.
+                time.sleep(rng.uniform(0.02, 0.4))
+            else:
+                # Mid-publish: some time after the first acknowledgement.
+                deadline = time.monotonic() + 20
+                while out.stat().st_size == 0 and proc.poll() is None:
+                    assert time.monotonic() < deadline, "writer never acknowledged a publish"
+                    time.sleep(0.005)
+                time.sleep(rng.uniform(0.0, 0.35))
             proc.send_signal(signal.SIGKILL)
             _, err = proc.communicate()
         assert proc.returncode == -signal.SIGKILL, f"writer died by itself: {err.decode()}"
@@ -108,7 +116,7 @@ def test_acknowledged_publishes_survive_sigkill(tmp_path: Path) -> None:
             assert report["ok"], report
 
     assert kills >= 30
-    assert runs_with_acks >= kills // 3, "too few runs got as far as publishing"
+    assert runs_with_acks >= kills // 2, "too few runs got as far as publishing"
     assert len(acked) >= 100
     with LocalStore(str(store_dir)) as s:
         got = files(s, "v")

@@ -1,0 +1,193 @@
+"""`strata mount`, `commit`, `status` and `unmount`: a writable view of a snapshot."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from strata.cli.common import open_remote, parse_ref, print_json, server_url, short
+from strata.engine.errors import InvalidInput, StrataError
+from strata.engine.interface import Store
+from strata.server.client import RemoteStore
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("mount", parents=[common],
+                       help="mount a snapshot at DIR (writable; publish with 'strata commit')")
+    p.add_argument("ref", metavar="REF")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--ro", action="store_true", help="read-only mount")
+    p.add_argument("--background", action="store_true",
+                   help="return once the mount is ready and keep serving in the background")
+    p.set_defaults(func=cmd_mount)
+
+    c = sub.add_parser("commit", parents=[common], help="publish a mount's changes")
+    c.add_argument("dir", metavar="DIR")
+    c.add_argument("-m", "--message", default="")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_commit)
+
+    s = sub.add_parser("status", parents=[common], help="paths a mount changed since its pin")
+    s.add_argument("dir", metavar="DIR")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    u = sub.add_parser("unmount", parents=[common], help="unmount (refuses to drop changes)")
+    u.add_argument("dir", metavar="DIR")
+    u.add_argument("--discard", action="store_true", help="drop uncommitted changes")
+    u.set_defaults(func=cmd_unmount)
+
+
+@contextlib.contextmanager
+def _store_for(args: argparse.Namespace, server: str | None, token: str | None
+               ) -> Iterator[Store]:
+    if server is not None and server_url(args) is None:
+        store = RemoteStore(server, token)
+        try:
+            yield store
+        finally:
+            store.close()
+        return
+    with open_remote(args) as s:
+        yield s
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from strata.mount.session import VolumeState, new_state
+    ref = parse_ref(args.ref)
+    target = os.path.abspath(args.dir)
+    if not os.path.isdir(target):
+        raise InvalidInput(f"{args.dir} is not a directory")
+    if os.listdir(target):
+        raise InvalidInput(f"{args.dir} is not empty")
+    with open_remote(args) as store:
+        sid = ref.resolve(store)
+        url, token = store.url, store.token
+    branch = ref.branch or ""
+    if ref.branch is None and not args.ro:
+        raise InvalidInput("a writable mount needs a branch (VOLUME or VOLUME@BRANCH); "
+                           "use --ro to mount a snapshot")
+    vol = VolumeState("", ref.volume, branch, sid, sid, readonly=bool(args.ro))
+    state = new_state(target, url, [vol], single=True)
+    state.extra["token"] = token
+    state.save()
+    return serve_mount(state, background=args.background)
+
+
+def serve_mount(state: Any, *, background: bool) -> int:
+    """Run the FUSE view for `state`, putting the overlays on top once it is up."""
+    from strata.mount import fuse
+    from strata.mount.cache import ContentCache
+    from strata.mount.session import mount_overlays, teardown
+    from strata.mount.vfs import SnapshotFS, Volume
+    rfd, wfd = os.pipe()
+    if background:
+        pid = os.fork()
+        if pid:
+            os.close(wfd)
+            msg = b""
+            while chunk := os.read(rfd, 4096):
+                msg += chunk
+            if msg.startswith(b"ok"):
+                print(f"mounted {state.mountpoint}")
+                return 0
+            print(f"strata: error: {msg.decode(errors='replace') or 'mount process died'}",
+                  file=sys.stderr)
+            return 1
+        os.close(rfd)
+        os.setsid()
+        log = os.open(os.path.join(state.scratch, "mount.log"), os.O_WRONLY | os.O_CREAT, 0o600)
+        for fd in (0, 1, 2):
+            os.dup2(log if fd else os.open(os.devnull, os.O_RDONLY), fd)
+    else:
+        os.close(rfd)
+    state.pid = os.getpid()
+    state.save()
+    store = RemoteStore(state.server, state.extra.get("token"))
+    try:
+        fs = SnapshotFS([Volume(v.name or v.volume, store, v.pinned) for v in state.volumes],
+                        ContentCache(), single=state.single)
+    except StrataError as exc:
+        os.write(wfd, str(exc).encode())
+        teardown(state)
+        return 1
+
+    def overlay_up() -> None:
+        try:
+            mount_overlays(state)
+        except Exception as exc:
+            os.write(wfd, str(exc).encode())
+            os.close(wfd)
+            os.system(f"umount -l {state.lower}")
+            return
+        os.write(wfd, b"ok")
+        os.close(wfd)
+        if not background:
+            print(f"mounted {state.mountpoint} (Ctrl-C or 'strata unmount' to stop)",
+                  file=sys.stderr, flush=True)
+
+    def ready() -> None:
+        threading.Thread(target=overlay_up, daemon=True).start()
+
+    try:
+        fuse.run(fs, state.lower, fsname=f"strata:{state.volumes[0].volume}", on_ready=ready)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _state(args: argparse.Namespace) -> Any:
+    from strata.mount.session import find_mount
+    return find_mount(args.dir)
+
+
+def cmd_commit(args: argparse.Namespace) -> int:
+    from strata.mount.session import commit
+    state = _state(args)
+    with _store_for(args, state.server, state.extra.get("token")) as store:
+        result = commit(store, state, message=args.message)
+    if args.json:
+        print_json({"published": result.published, "changed": result.changed_paths,
+                    "uploaded_bytes": result.uploaded_bytes, "seconds": result.seconds})
+    else:
+        for sid in result.published.values():
+            print(sid)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from strata.mount.session import status
+    state = _state(args)
+    with _store_for(args, state.server, state.extra.get("token")) as store:
+        report = status(store, state)
+    if args.json:
+        print_json(report if not state.single else next(iter(report.values())))
+        return 0
+    for name, vol in report.items():
+        if not state.single:
+            print(f"{name}:")
+        if vol.get("readonly"):
+            print("  read-only")
+            continue
+        print(f"pinned {short(vol['pinned'])}, last published {short(vol['base'])}, "
+              f"{len(vol['uncommitted'])} uncommitted path(s)")
+        for c in vol["changes"]:
+            print(f"{c['change']:>9}  {c['path']}")
+    return 0
+
+
+def cmd_unmount(args: argparse.Namespace) -> int:
+    from strata.mount.session import has_uncommitted, teardown
+    state = _state(args)
+    if not args.discard:
+        with _store_for(args, state.server, state.extra.get("token")) as store:
+            if has_uncommitted(store, state):
+                raise InvalidInput(f"{args.dir} has uncommitted changes: 'strata commit' "
+                                   "them, or unmount with --discard")
+    teardown(state)
+    return 0

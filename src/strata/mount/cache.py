@@ -1,0 +1,111 @@
+"""A local, bounded, content-addressed cache of objects, shared between mounts.
+
+Objects are immutable and named by their BLAKE3 id, so a cached copy never
+goes stale and any number of mount processes can share one directory: files
+are written to a temporary name and renamed into place. When the cache grows
+past its limit the least recently used files are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from strata.engine.errors import Corrupt
+from strata.engine.objects import KIND_NAMES, object_id
+
+DEFAULT_LIMIT = 4 * 1024 * 1024 * 1024
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "strata", "objects")
+
+
+class ContentCache:
+    def __init__(self, path: str | None = None, limit: int = DEFAULT_LIMIT) -> None:
+        self.path = path or default_cache_dir()
+        self.limit = limit
+        os.makedirs(self.path, exist_ok=True)
+        self._lock = threading.Lock()
+        self._size = self._measure()
+        self.hits = 0
+        self.misses = 0
+        self.fetched_bytes = 0
+
+    def _measure(self) -> int:
+        total = 0
+        for root, _dirs, files in os.walk(self.path):
+            for f in files:
+                with contextlib.suppress(OSError):
+                    total += os.stat(os.path.join(root, f)).st_size
+        return total
+
+    def _file(self, oid: bytes) -> str:
+        h = oid.hex()
+        return os.path.join(self.path, h[:2], h[2:])
+
+    def get(self, oid: bytes, fetch: Callable[[bytes], bytes], kinds: tuple[int, ...] = ()
+            ) -> bytes:
+        """The object's bytes, from the cache or fetched (and checked against its id)."""
+        path = self._file(oid)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            self.hits += 1
+            return data
+        except FileNotFoundError:
+            pass
+        data = fetch(oid)
+        if not any(object_id(k, data) == oid for k in (kinds or tuple(KIND_NAMES))):
+            raise Corrupt("remote", 0, f"object {oid.hex()} does not match its id")
+        self.misses += 1
+        self.fetched_bytes += len(data)
+        self._put(path, data)
+        return data
+
+    def _put(self, path: str, data: bytes) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.rename(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return  # a full cache disk only costs a refetch later
+        with self._lock:
+            self._size += len(data)
+            over = self._size > self.limit
+        if over:
+            self.evict()
+
+    def evict(self) -> None:
+        """Remove least recently used files until the cache is at 90% of its limit."""
+        files = []
+        for root, _dirs, names in os.walk(self.path):
+            for n in names:
+                p = os.path.join(root, n)
+                with contextlib.suppress(OSError):
+                    st = os.stat(p)
+                    files.append((max(st.st_atime, st.st_mtime), st.st_size, p))
+        files.sort()
+        total = sum(f[1] for f in files)
+        target = int(self.limit * 0.9)
+        for _t, size, p in files:
+            if total <= target:
+                break
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+                total -= size
+        with self._lock:
+            self._size = total
+
+    def touch(self, oid: bytes) -> None:
+        with contextlib.suppress(OSError):
+            now = time.time()
+            os.utime(self._file(oid), (now, now))

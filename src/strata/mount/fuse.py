@@ -1,0 +1,165 @@
+"""The pyfuse3 adapter: translate FUSE requests to `SnapshotFS` calls.
+
+Only translation lives here: inode numbers, attributes, errno, and moving
+blocking store calls off the trio loop. Snapshots never change, so entries
+and attributes are cached by the kernel for a day and file pages are kept
+across opens.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat as statmod
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pyfuse3
+import trio
+
+from strata.engine.objects import K_DIR, K_FILE, FileNode
+from strata.mount.vfs import FsError, Node, SnapshotFS
+
+T = TypeVar("T")
+CACHE_SECONDS = 86400.0
+
+
+async def _call(fn: Callable[..., T], *args: Any) -> T:
+    try:
+        return await trio.to_thread.run_sync(fn, *args)
+    except FsError as exc:
+        raise pyfuse3.FUSEError(exc.errno) from None
+    except FileNotFoundError:
+        raise pyfuse3.FUSEError(errno.ENOENT) from None
+    except Exception:  # the store is unreachable or damaged: an I/O error, not a crash
+        raise pyfuse3.FUSEError(errno.EIO) from None
+
+
+def _fast(fn: Callable[..., T], *args: Any) -> T:
+    try:
+        return fn(*args)
+    except FsError as exc:
+        raise pyfuse3.FUSEError(exc.errno) from None
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+
+    def __init__(self, fs: SnapshotFS) -> None:
+        super().__init__()
+        self.fs = fs
+        self._dirs: dict[int, list[tuple[bytes, Node]]] = {}
+        self._files: dict[int, tuple[int, FileNode | None]] = {}
+        self._next_fh = 1
+
+    def _attr(self, n: Node) -> pyfuse3.EntryAttributes:
+        e = n.entry
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = n.ino
+        a.generation = 0
+        a.entry_timeout = CACHE_SECONDS
+        a.attr_timeout = CACHE_SECONDS
+        a.st_mode = e.st_mode
+        a.st_nlink = e.nlink if e.kind == K_FILE else (2 if e.kind == K_DIR else 1)
+        a.st_uid = e.uid
+        a.st_gid = e.gid
+        a.st_rdev = e.rdev
+        a.st_size = e.size
+        a.st_blksize = 65536
+        a.st_blocks = (e.size + 511) // 512
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = e.mtime_ns
+        return a
+
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None
+                     ) -> pyfuse3.EntryAttributes:
+        node = self.fs._nodes.get(parent_inode)
+        if node is not None and node.children is not None and name in node.children:
+            return self._attr(self.fs._nodes[node.children[name]])  # warm: no thread hop
+        return self._attr(await _call(self.fs.lookup, parent_inode, name))
+
+    async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
+        return self._attr(_fast(self.fs.node, inode))
+
+    async def readlink(self, inode: int, ctx: Any) -> bytes:
+        return _fast(self.fs.readlink, inode)
+
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        listing = await _call(self.fs.listdir, inode)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._dirs[fh] = listing
+        return fh
+
+    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        listing = self._dirs.get(fh, [])
+        for i in range(start_id, len(listing)):
+            name, node = listing[i]
+            if not pyfuse3.readdir_reply(token, name, self._attr(node), i + 1):
+                break
+
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            raise pyfuse3.FUSEError(errno.EROFS)
+        node = _fast(self.fs.node, inode)
+        if not statmod.S_ISREG(node.entry.st_mode):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        fnode = await _call(self.fs.file_node, inode)
+        await _call(self.fs.prefetch, inode)
+        fh = self._next_fh
+        self._next_fh += 1
+        self._files[fh] = (inode, fnode)
+        fi = pyfuse3.FileInfo(fh=fh)
+        fi.keep_cache = True
+        return fi
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        inode, fnode = self._files[fh]
+        return await _call(self.fs.read, inode, off, size, fnode)
+
+    async def release(self, fh: int) -> None:
+        self._files.pop(fh, None)
+
+    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        return _fast(self.fs.getxattr, inode, name)
+
+    async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
+        return _fast(self.fs.listxattr, inode)
+
+    async def access(self, inode: int, mode: int, ctx: Any) -> bool:
+        return True  # default_permissions: the kernel checks modes itself
+
+    async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = 65536
+        s.f_frsize = 65536
+        s.f_blocks = s.f_bfree = s.f_bavail = 1 << 24
+        s.f_files = s.f_ffree = s.f_favail = 1 << 24
+        s.f_namemax = 255
+        return s
+
+    async def forget(self, inode_list: Any) -> None:
+        return None  # inodes of an immutable snapshot are kept for the mount's life
+
+
+def run(fs: SnapshotFS, mountpoint: str, *, fsname: str = "strata",
+        on_ready: Callable[[], None] | None = None) -> None:
+    """Mount and serve until unmounted (blocks)."""
+    options = set(pyfuse3.default_options)
+    options |= {f"fsname={fsname}", "ro", "allow_other", "subtype=strata"}
+    options.discard("default_permissions")
+    options.add("default_permissions")
+    pyfuse3.init(Operations(fs), mountpoint, options)
+
+    async def main() -> None:
+        if on_ready is not None:
+            on_ready()
+        await pyfuse3.main(min_tasks=4, max_tasks=64)
+
+    try:
+        trio.run(main)
+    finally:
+        pyfuse3.close(unmount=True)

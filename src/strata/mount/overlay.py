@@ -1,0 +1,283 @@
+"""Kernel overlayfs over the FUSE view, and its upper directory as a change set.
+
+The upper directory is the change set. Overlayfs records, as root:
+- new and copied-up files, symlinks, special files and directories;
+- a whiteout (a 0:0 character device) where a lower entry was deleted;
+- `trusted.overlay.opaque = "y"` on a directory that replaced a lower one;
+- `trusted.overlay.redirect` on a directory renamed from elsewhere in the
+  lower layer (with `redirect_dir=on`): its lower contents come from there.
+
+`scan_upper` turns that into final entries per path, as `ChangeSet` wants,
+cutting files into blocks: blocks the lower file already had keep their ids,
+so only changed blocks need uploading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat as statmod
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from strata.engine.errors import InvalidInput, StrataError
+from strata.engine.objects import (
+    BLOCK,
+    EMPTY_TREE_ID,
+    FILENODE,
+    INLINE_MAX,
+    K_BLK,
+    K_CHR,
+    K_DIR,
+    K_FIFO,
+    K_FILE,
+    K_SOCK,
+    K_SYMLINK,
+    ZERO_ID,
+    Entry,
+    FileNode,
+    object_id,
+)
+from strata.engine.tree import Trees, encode_name
+
+OPAQUE = "trusted.overlay.opaque"
+REDIRECT = "trusted.overlay.redirect"
+OVERLAY_PREFIX = b"trusted.overlay."
+OVERLAY_OPTIONS = "redirect_dir=on,index=off,metacopy=off,xino=off"
+
+
+class MountError(StrataError):
+    """A mount or unmount system call failed."""
+
+
+def mount_overlay(lower: str, upper: str, work: str, target: str) -> None:
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}"
+    p = subprocess.run(["mount", "-t", "overlay", "strata", "-o", opts, target],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        raise MountError(f"overlay mount on {target} failed: {p.stderr.strip()}")
+
+
+def unmount(target: str, *, lazy: bool = False) -> None:
+    args = ["umount", "-l", target] if lazy else ["umount", target]
+    p = subprocess.run(args, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise MountError(f"unmount of {target} failed: {p.stderr.strip()}")
+
+
+def is_mountpoint(path: str) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].encode().decode("unicode_escape")
+            if mp == real:
+                return True
+    return False
+
+
+@dataclass
+class Scan:
+    """The upper directory read as a change set (paths -> final entries)."""
+
+    changes: dict[str, Entry | None] = field(default_factory=dict)
+    objects: dict[bytes, tuple[int, bytes]] = field(default_factory=dict)  # to upload
+    files_hashed: int = 0
+    bytes_hashed: int = 0
+
+    def summary(self) -> list[dict[str, str]]:
+        out = []
+        for path, e in sorted(self.changes.items()):
+            if e is None:
+                out.append({"path": path, "change": "deleted"})
+            elif e.kind == K_DIR and e.ref is None:
+                out.append({"path": path, "change": "directory"})
+            else:
+                out.append({"path": path, "change": "changed"})
+        return out
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return statmod.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _xattr(path: str, name: str) -> bytes | None:
+    try:
+        return os.getxattr(path, name, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return None
+        raise
+
+
+def _user_xattrs(path: str) -> tuple[tuple[bytes, bytes], ...]:
+    out = []
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return ()
+    for n in names:
+        b = n.encode("utf-8", "surrogateescape")
+        if b.startswith(OVERLAY_PREFIX):
+            continue
+        v = _xattr(path, n)
+        if v is not None:
+            out.append((b, v))
+    return tuple(sorted(out))
+
+
+class UpperScanner:
+    """Reads an overlay upper directory against the lower snapshot's tree."""
+
+    def __init__(self, trees: Trees, lower_root: Entry, block_size: int) -> None:
+        self.trees = trees
+        self.lower_root = lower_root
+        self.block_size = block_size
+
+    def scan(self, upper: str) -> Scan:
+        out = Scan()
+        links: dict[int, list[str]] = {}
+        self._walk(upper, "", self.lower_root, out, links)
+        for paths in links.values():  # hard links made inside the mount
+            if len(paths) > 1:
+                digest = object_id(0, "\0".join(sorted(paths)).encode("utf-8", "surrogateescape"))
+                group = int.from_bytes(digest[:6], "little") | 1
+                for p in paths:
+                    e = out.changes.get(p)
+                    if e is not None:
+                        out.changes[p] = e.with_(ino=group, nlink=len(paths))
+        return out
+
+    def _lower_child(self, lower_dir: Entry | None, name: str) -> Entry | None:
+        if lower_dir is None or lower_dir.kind != K_DIR or lower_dir.ref is None:
+            return None
+        return self.trees.lookup(lower_dir.ref, encode_name(name))
+
+    def _walk(self, real: str, prefix: str, lower_dir: Entry | None, out: Scan,
+              links: dict[int, list[str]]) -> None:
+        with os.scandir(real) as it:
+            items = sorted(it, key=lambda d: d.name)
+        for d in items:
+            path = f"{prefix}/{d.name}" if prefix else d.name
+            st = d.stat(follow_symlinks=False)
+            lower = self._lower_child(lower_dir, d.name)
+            if _is_whiteout(st):
+                if lower is not None:
+                    out.changes[path] = None
+                continue
+            if statmod.S_ISDIR(st.st_mode):
+                self._dir(d.path, path, st, lower, out, links)
+                continue
+            entry = self._leaf(d.path, st, lower, out)
+            if entry is not None:
+                out.changes[path] = entry
+            if statmod.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                links.setdefault(st.st_ino, []).append(path)
+
+    def _dir(self, real: str, path: str, st: os.stat_result, lower: Entry | None, out: Scan,
+             links: dict[int, list[str]]) -> None:
+        attrs = dict(mode=statmod.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
+                     mtime_ns=st.st_mtime_ns, xattrs=_user_xattrs(real))
+        opaque = _xattr(real, OPAQUE) == b"y"
+        redirect = _xattr(real, REDIRECT)
+        if redirect is not None:
+            target = redirect.decode("utf-8", "surrogateescape")
+            if target.startswith("/"):
+                parts = tuple(p for p in target.split("/") if p)
+            else:
+                parts = (*[p for p in path.split("/")[:-1] if p], target)
+            src = self.trees.resolve(self.lower_root, parts)
+            base_ref = src.ref if src is not None and src.kind == K_DIR else EMPTY_TREE_ID
+            out.changes[path] = Entry(kind=K_DIR, ref=base_ref, **attrs)  # type: ignore[arg-type]
+            self._walk(real, path, src if src is not None and src.kind == K_DIR else None, out,
+                       links)
+            return
+        if opaque or lower is None or lower.kind != K_DIR:
+            if lower is not None and lower.kind == K_DIR:
+                # Opaque over a lower directory: replace it with an empty one, then
+                # add what the upper holds.
+                out.changes[path] = Entry(kind=K_DIR, ref=EMPTY_TREE_ID, **attrs)  # type: ignore[arg-type]
+            else:
+                out.changes[path] = Entry(kind=K_DIR, **attrs)  # type: ignore[arg-type]
+            self._walk(real, path, None, out, links)
+            return
+        mine = Entry(kind=K_DIR, **attrs)  # type: ignore[arg-type]
+        if mine.attrs() != lower.attrs() or mine.mtime_ns != lower.mtime_ns:
+            out.changes[path] = mine  # merge directory: attributes only
+        self._walk(real, path, lower, out, links)
+
+    def _leaf(self, real: str, st: os.stat_result, lower: Entry | None, out: Scan
+              ) -> Entry | None:
+        mode = st.st_mode
+        base = dict(mode=statmod.S_IMODE(mode), uid=st.st_uid, gid=st.st_gid,
+                    mtime_ns=st.st_mtime_ns, xattrs=_user_xattrs(real))
+        if statmod.S_ISLNK(mode):
+            target = os.readlink(real).encode("utf-8", "surrogateescape")
+            return Entry(kind=K_SYMLINK, size=len(target), data=target,
+                         **{**base, "mode": 0o777})  # type: ignore[arg-type]
+        if statmod.S_ISFIFO(mode):
+            return Entry(kind=K_FIFO, **base)  # type: ignore[arg-type]
+        if statmod.S_ISSOCK(mode):
+            return Entry(kind=K_SOCK, **base)  # type: ignore[arg-type]
+        if statmod.S_ISCHR(mode) or statmod.S_ISBLK(mode):
+            return Entry(kind=K_CHR if statmod.S_ISCHR(mode) else K_BLK, rdev=st.st_rdev,
+                         **base)  # type: ignore[arg-type]
+        if not statmod.S_ISREG(mode):
+            raise InvalidInput(f"unsupported file type at {real}")
+        return self._file(real, st, lower, base, out)
+
+    def _file(self, real: str, st: os.stat_result, lower: Entry | None, base: dict[str, object],
+              out: Scan) -> Entry | None:
+        size = st.st_size
+        out.files_hashed += 1
+        out.bytes_hashed += size
+        if size <= INLINE_MAX:
+            with open(real, "rb") as f:
+                data = f.read()
+            e = Entry(kind=K_FILE, size=len(data), data=data, **base)  # type: ignore[arg-type]
+            return None if _same_file(e, lower) else e
+        bs = self.block_size
+        blocks: list[bytes] = []
+        new: dict[bytes, bytes] = {}
+        with open(real, "rb") as f:
+            for data in iter(lambda: f.read(bs), b""):
+                if data == bytes(len(data)):
+                    blocks.append(ZERO_ID)
+                    continue
+                oid = object_id(BLOCK, data)
+                blocks.append(oid)
+                new[oid] = data
+        lower_blocks: set[bytes] = set()
+        if lower is not None and lower.kind == K_FILE and lower.ref is not None:
+            with contextlib.suppress(StrataError, ValueError):
+                lower_blocks = set(FileNode.decode(self.trees.source.get_object(lower.ref)).blocks)
+        node = FileNode(size=size, block_size=bs, blocks=tuple(blocks)).encode()
+        ref = object_id(FILENODE, node)
+        e = Entry(kind=K_FILE, size=size, ref=ref, **base)  # type: ignore[arg-type]
+        if _same_file(e, lower):
+            return None
+        for oid, data in new.items():
+            if oid not in lower_blocks:
+                out.objects[oid] = (BLOCK, data)
+        out.objects[ref] = (FILENODE, node)
+        return e
+
+
+def _same_file(e: Entry, lower: Entry | None) -> bool:
+    if lower is None or lower.kind != K_FILE:
+        return False
+    return (e.size == lower.size and e.ref == lower.ref and e.data == lower.data
+            and e.attrs() == lower.attrs() and e.mtime_ns == lower.mtime_ns)
+
+
+def walk_mounts(prefix: str) -> Iterator[str]:
+    """Mount points at or below `prefix`, deepest first."""
+    real = os.path.realpath(prefix)
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4].encode().decode("unicode_escape")
+            if mp == real or mp.startswith(real + "/"):
+                found.append(mp)
+    yield from sorted(found, key=len, reverse=True)

@@ -1,0 +1,313 @@
+"""A mount's life: start (FUSE lower + overlay), status, commit, unmount.
+
+Each mount has a scratch directory (`STRATA_SCRATCH`, default
+/var/tmp/strata/mounts/<id>) holding the FUSE lower mount point, one upper
+and work directory per volume, and `state.json`: which snapshot each volume
+is pinned to, which snapshot it last published, and the digest of what it
+published (to tell uncommitted changes apart). The CLI finds a mount by its
+mount point. The mount process only serves the read-only lower view; commit,
+status and unmount run in the caller's process against the same store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import blake3
+
+from strata.engine.errors import InvalidInput, NotFound, StrataError
+from strata.engine.interface import ChangeSet, Store
+from strata.engine.objects import K_DIR, Entry, FileNode, packb
+from strata.engine.tree import Trees
+from strata.mount.overlay import (
+    MountError,
+    Scan,
+    UpperScanner,
+    is_mountpoint,
+    mount_overlay,
+    unmount,
+)
+
+MAX_INLINE_UPLOAD = 4 * 1024 * 1024
+
+
+def scratch_root() -> str:
+    return os.environ.get("STRATA_SCRATCH") or "/var/tmp/strata/mounts"
+
+
+@dataclass
+class VolumeState:
+    name: str          # subdirectory name (multi-volume mounts) or "" for a single volume
+    volume: str
+    branch: str
+    pinned: str        # the snapshot the lower view shows, for the mount's whole life
+    base: str          # the snapshot this mount last published (or pinned)
+    readonly: bool = False
+    published: dict[str, str] = field(default_factory=dict)  # path -> digest, last commit
+
+
+@dataclass
+class MountState:
+    id: str
+    mountpoint: str
+    scratch: str
+    server: str | None
+    volumes: list[VolumeState]
+    single: bool = True
+    pid: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def lower(self) -> str:
+        return os.path.join(self.scratch, "lower")
+
+    def upper(self, v: VolumeState) -> str:
+        return os.path.join(self.scratch, "upper", v.name or "_")
+
+    def work(self, v: VolumeState) -> str:
+        return os.path.join(self.scratch, "work", v.name or "_")
+
+    def target(self, v: VolumeState) -> str:
+        return self.mountpoint if self.single else os.path.join(self.mountpoint, v.name)
+
+    def lower_of(self, v: VolumeState) -> str:
+        return self.lower if self.single else os.path.join(self.lower, v.name)
+
+    def save(self) -> None:
+        tmp = os.path.join(self.scratch, "state.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump({**asdict(self)}, f, indent=1)
+        os.rename(tmp, os.path.join(self.scratch, "state.json"))
+
+    @classmethod
+    def load(cls, scratch: str) -> MountState:
+        with open(os.path.join(scratch, "state.json")) as f:
+            raw = json.load(f)
+        raw["volumes"] = [VolumeState(**v) for v in raw["volumes"]]
+        return cls(**raw)
+
+
+def new_state(mountpoint: str, server: str | None, volumes: list[VolumeState],
+              single: bool) -> MountState:
+    mid = uuid.uuid4().hex[:12]
+    scratch = os.path.join(scratch_root(), mid)
+    os.makedirs(os.path.join(scratch, "lower"), mode=0o700)
+    for v in volumes:
+        os.makedirs(os.path.join(scratch, "upper", v.name or "_"), mode=0o755)
+        os.makedirs(os.path.join(scratch, "work", v.name or "_"), mode=0o700)
+    state = MountState(mid, os.path.realpath(mountpoint), scratch, server, volumes, single,
+                       os.getpid())
+    state.save()
+    return state
+
+
+def find_mount(mountpoint: str) -> MountState:
+    """The state of the strata mount at (or containing, for multi-volume) `mountpoint`."""
+    real = os.path.realpath(mountpoint)
+    root = scratch_root()
+    if os.path.isdir(root):
+        for mid in os.listdir(root):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                st = MountState.load(os.path.join(root, mid))
+                if st.mountpoint == real:
+                    return st
+    raise NotFound(f"{mountpoint} is not a strata mount")
+
+
+def mount_overlays(state: MountState) -> None:
+    """Put overlayfs over the FUSE view for every writable volume (FUSE must be up)."""
+    done: list[str] = []
+    try:
+        for v in state.volumes:
+            target = state.target(v)
+            if not state.single:
+                os.makedirs(target, exist_ok=True)
+            if v.readonly:
+                subprocess_bind(state.lower_of(v), target)
+            else:
+                mount_overlay(state.lower_of(v), state.upper(v), state.work(v), target)
+            done.append(target)
+    except BaseException:
+        for t in reversed(done):
+            with contextlib.suppress(MountError):
+                unmount(t, lazy=True)
+        raise
+
+
+def subprocess_bind(src: str, target: str) -> None:
+    import subprocess
+    p = subprocess.run(["mount", "--bind", "-o", "ro", src, target], capture_output=True,
+                       text=True)
+    if p.returncode != 0:
+        raise MountError(f"read-only bind mount on {target} failed: {p.stderr.strip()}")
+    subprocess.run(["mount", "-o", "remount,ro,bind", target], capture_output=True)
+
+
+def scan_volume(store: Store, state: MountState, v: VolumeState) -> Scan:
+    trees = Trees(store)
+    lower_root = store.snapshot(v.pinned).root
+    return UpperScanner(trees, lower_root, store.block_size).scan(state.upper(v))
+
+
+def entry_digest(e: Entry | None) -> str:
+    return blake3.blake3(packb(None if e is None else e.to_list())).hexdigest()[:24]
+
+
+def pending(store: Store, state: MountState, v: VolumeState
+            ) -> tuple[dict[str, Entry | None], Scan]:
+    """What this volume's next commit publishes: changes since its last commit.
+
+    The upper directory describes the mount against the pinned snapshot; what
+    was already published is left out, so a later commit never re-asserts
+    paths it did not touch again (and cannot conflict on them). A path that
+    was published but is back to its pinned state is set back.
+    """
+    scan = scan_volume(store, state, v)
+    changes: dict[str, Entry | None] = {}
+    for path, e in scan.changes.items():
+        if v.published.get(path) != entry_digest(e):
+            changes[path] = e
+    gone = [p for p in v.published if p not in scan.changes]
+    if gone:
+        trees = Trees(store)
+        root = store.snapshot(v.pinned).root
+        for path in gone:
+            e = trees.resolve(root, tuple(path.split("/")))
+            if e is not None and e.kind == K_DIR:
+                e = e.with_(ref=None)  # back to the pinned attributes, contents untouched
+            changes[path] = e
+    return changes, scan
+
+
+@dataclass
+class CommitResult:
+    published: dict[str, str]   # volume name -> new head
+    changed_paths: int
+    uploaded_bytes: int
+    seconds: float
+
+
+def commit(store: Store, state: MountState, *, message: str = "",
+           meta: dict[str, Any] | None = None, names: list[str] | None = None,
+           lease: int | None = None) -> CommitResult:
+    """Publish the mount's volumes (all, or `names`) in one atomic commit."""
+    t0 = time.monotonic()
+    todo = [v for v in state.volumes if not v.readonly and (names is None or v.name in names)]
+    work = [(v, *pending(store, state, v)) for v in todo]
+    changesets = []
+    objects: dict[bytes, tuple[int, bytes]] = {}
+    for v, changes, scan in work:
+        if not changes:
+            continue
+        changesets.append(ChangeSet(v.volume, v.branch, v.base, changes, message,
+                                    dict(meta or {}), lease))
+        for e in changes.values():
+            if e is not None and e.ref is not None and e.ref in scan.objects:
+                _collect(scan, e.ref, objects)
+    uploaded = _upload(store, objects)
+    heads = store.publish(changesets, uploaded) if changesets else []
+    published = {}
+    moved = iter(heads)
+    for v, changes, scan in work:
+        if changes:
+            v.base = next(moved)
+        v.published = {p: entry_digest(e) for p, e in scan.changes.items()}
+        published[v.name or v.volume] = v.base
+    state.save()
+    return CommitResult(published, sum(len(c) for _v, c, _s in work),
+                        sum(len(o[1]) for o in objects.values()), time.monotonic() - t0)
+
+
+def _collect(scan: Scan, ref: bytes, out: dict[bytes, tuple[int, bytes]]) -> None:
+    """A file node and the new blocks it names."""
+    kind, raw = scan.objects[ref]
+    out[ref] = (kind, raw)
+    for b in FileNode.decode(raw).blocks:
+        if b in scan.objects:
+            out[b] = scan.objects[b]
+
+
+def _upload(store: Store, objects: dict[bytes, tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """Upload what the store lacks; small sets ride with the publish instead."""
+    if not objects:
+        return []
+    lacking = set(store.missing(list(objects)))
+    todo = [objects[o] for o in objects if o in lacking]
+    if sum(len(r) for _k, r in todo) <= MAX_INLINE_UPLOAD:
+        return todo
+    batch: list[tuple[int, bytes]] = []
+    size = 0
+    for obj in todo:
+        batch.append(obj)
+        size += len(obj[1])
+        if size >= 16 * 1024 * 1024:
+            store.put_objects(batch)
+            batch, size = [], 0
+    if batch:
+        store.put_objects(batch)
+    return []
+
+
+def status(store: Store, state: MountState) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for v in state.volumes:
+        if v.readonly:
+            out[v.name or v.volume] = {"readonly": True, "changes": [], "uncommitted": []}
+            continue
+        changes, scan = pending(store, state, v)
+        out[v.name or v.volume] = {
+            "volume": v.volume, "branch": v.branch, "pinned": v.pinned, "base": v.base,
+            "changes": scan.summary(), "uncommitted": sorted(changes)}
+    return out
+
+
+def has_uncommitted(store: Store, state: MountState) -> bool:
+    return any(pending(store, state, v)[0] for v in state.volumes if not v.readonly)
+
+
+def teardown(state: MountState) -> None:
+    """Unmount overlays and the FUSE view, stop the mount process, drop scratch."""
+    errors = []
+    targets = [state.target(v) for v in state.volumes]
+    for t in targets:
+        if is_mountpoint(t):
+            try:
+                unmount(t)
+            except MountError as exc:
+                errors.append(str(exc))
+    if errors:
+        raise MountError("; ".join(errors) + " (is a process still using it?)")
+    if is_mountpoint(state.lower):
+        unmount(state.lower, lazy=True)
+    if state.pid and state.pid != os.getpid():
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _alive(state.pid):
+            time.sleep(0.02)
+        if _alive(state.pid):
+            with contextlib.suppress(OSError):
+                os.kill(state.pid, signal.SIGTERM)
+    if not state.single:
+        for t in targets:
+            with contextlib.suppress(OSError):
+                os.rmdir(t)
+    shutil.rmtree(state.scratch, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+__all__ = ["MountState", "VolumeState", "commit", "status", "teardown", "find_mount",
+           "new_state", "mount_overlays", "has_uncommitted", "InvalidInput", "StrataError"]

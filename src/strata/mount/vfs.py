@@ -1,0 +1,249 @@
+"""The mount's core: a read-only, lazy view of pinned snapshots.
+
+Inode numbers are handed out on first lookup and never change (snapshots are
+immutable); members of one hard-link group share an inode. Tree nodes are
+fetched only when a lookup or listing needs them, and file bytes only when
+read, block by block, through the shared content cache. This module knows
+nothing of FUSE: `fuse.py` translates it.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from dataclasses import dataclass, field
+
+from strata.engine.interface import Store
+from strata.engine.objects import (
+    BLOCK,
+    FILENODE,
+    K_DIR,
+    K_FILE,
+    K_SYMLINK,
+    TREE,
+    ZERO_ID,
+    Entry,
+    FileNode,
+    dir_entry,
+)
+from strata.engine.tree import NodeCache, Trees
+from strata.mount.cache import ContentCache
+
+ROOT_INO = 1
+HIDDEN_XATTR_PREFIX = b"trusted.overlay."  # never show overlayfs' own markers from below
+
+
+class FsError(Exception):
+    """An errno for the adapter to return."""
+
+    def __init__(self, err: int) -> None:
+        super().__init__(errno.errorcode.get(err, str(err)))
+        self.errno = err
+
+
+@dataclass(slots=True)
+class Node:
+    ino: int
+    entry: Entry
+    parent: int
+    children: dict[bytes, int] | None = None
+    names: list[bytes] | None = None  # sorted listing, filled on first readdir
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _CachedSource:
+    """Objects through the shared disk cache, so a second mount fetches nothing."""
+
+    def __init__(self, store: Store, cache: ContentCache) -> None:
+        self.store = store
+        self.cache = cache
+
+    def get_object(self, oid: bytes) -> bytes:
+        return self.cache.get(oid, self.store.get_object)
+
+
+@dataclass(frozen=True, slots=True)
+class Volume:
+    name: str
+    store: Store
+    snapshot: str
+
+
+class SnapshotFS:
+    """Pinned snapshots as one tree: either one volume at the root, or one per name."""
+
+    def __init__(self, volumes: list[Volume], cache: ContentCache, *, single: bool = True,
+                 large_file: int = 8 * 1024 * 1024) -> None:
+        if single and len(volumes) != 1:
+            raise ValueError("a single-volume view needs exactly one volume")
+        self.cache = cache
+        self.large_file = large_file
+        self._lock = threading.Lock()
+        self._nodes: dict[int, Node] = {}
+        self._groups: dict[tuple[int, int], int] = {}  # (volume index, link ino) -> inode
+        self._next = ROOT_INO + 1
+        self._vol_of: dict[int, int] = {}  # inode -> volume index
+        self.volumes = volumes
+        self._trees = [Trees(_CachedSource(v.store, cache), NodeCache()) for v in volumes]
+        self._sources = [_CachedSource(v.store, cache) for v in volumes]
+        if single:
+            root = volumes[0].store.snapshot(volumes[0].snapshot).root
+            self._nodes[ROOT_INO] = Node(ROOT_INO, root, ROOT_INO)
+            self._vol_of[ROOT_INO] = 0
+        else:
+            self._nodes[ROOT_INO] = Node(ROOT_INO, dir_entry(0o755), ROOT_INO, children={},
+                                         names=[])
+            self._vol_of[ROOT_INO] = -1
+            for i, v in enumerate(volumes):
+                root = v.store.snapshot(v.snapshot).root
+                ino = self._alloc(root, ROOT_INO, i)
+                name = v.name.encode()
+                assert self._nodes[ROOT_INO].children is not None
+                self._nodes[ROOT_INO].children[name] = ino  # type: ignore[index]
+            self._nodes[ROOT_INO].names = sorted(v.name.encode() for v in volumes)
+
+    def _alloc(self, entry: Entry, parent: int, vol: int) -> int:
+        with self._lock:
+            if entry.kind == K_FILE and entry.ino:
+                ino = self._groups.get((vol, entry.ino))
+                if ino is not None:
+                    return ino
+            ino = self._next
+            self._next += 1
+            self._nodes[ino] = Node(ino, entry, parent)
+            self._vol_of[ino] = vol
+            if entry.kind == K_FILE and entry.ino:
+                self._groups[(vol, entry.ino)] = ino
+            return ino
+
+    def node(self, ino: int) -> Node:
+        n = self._nodes.get(ino)
+        if n is None:
+            raise FsError(errno.ENOENT)
+        return n
+
+    # -- namespace -----------------------------------------------------------------
+
+    def lookup(self, parent: int, name: bytes) -> Node:
+        p = self.node(parent)
+        if p.entry.kind != K_DIR:
+            raise FsError(errno.ENOTDIR)
+        if name == b".":
+            return p
+        if name == b"..":
+            return self.node(p.parent)
+        with p.lock:
+            if p.children is None:
+                p.children = {}
+            ino = p.children.get(name)
+            if ino is not None:
+                return self._nodes[ino]
+            if p.names is not None and self._vol_of[parent] == -1:
+                raise FsError(errno.ENOENT)
+            vol = self._vol_of[parent]
+            if p.entry.ref is None:
+                raise FsError(errno.ENOENT)
+            e = self._trees[vol].lookup(p.entry.ref, name)
+            if e is None:
+                raise FsError(errno.ENOENT)
+            ino = self._alloc(e, parent, vol)
+            p.children[name] = ino
+            return self._nodes[ino]
+
+    def listdir(self, ino: int) -> list[tuple[bytes, Node]]:
+        """All entries of a directory, sorted by name, each with its node."""
+        p = self.node(ino)
+        if p.entry.kind != K_DIR:
+            raise FsError(errno.ENOTDIR)
+        vol = self._vol_of[ino]
+        with p.lock:
+            if p.children is None:
+                p.children = {}
+            if p.names is None:
+                names = []
+                if p.entry.ref is not None:
+                    for name, e in self._trees[vol].iter_dir(p.entry.ref):
+                        names.append(name)
+                        if name not in p.children:
+                            p.children[name] = self._alloc(e, ino, vol)
+                p.names = names
+            return [(n, self._nodes[p.children[n]]) for n in p.names]
+
+    def readlink(self, ino: int) -> bytes:
+        n = self.node(ino)
+        if n.entry.kind != K_SYMLINK:
+            raise FsError(errno.EINVAL)
+        return n.entry.data or b""
+
+    # -- xattrs --------------------------------------------------------------------
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        if name.startswith(HIDDEN_XATTR_PREFIX):
+            raise FsError(errno.ENODATA)
+        for k, v in self.node(ino).entry.xattrs:
+            if k == name:
+                return v
+        raise FsError(errno.ENODATA)
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        return [k for k, _v in self.node(ino).entry.xattrs
+                if not k.startswith(HIDDEN_XATTR_PREFIX)]
+
+    # -- content -------------------------------------------------------------------
+
+    def file_node(self, ino: int) -> FileNode | None:
+        """The block list of a file (None for inline content)."""
+        n = self.node(ino)
+        if n.entry.kind != K_FILE:
+            raise FsError(errno.EISDIR if n.entry.kind == K_DIR else errno.EINVAL)
+        if n.entry.ref is None:
+            return None
+        src = self._sources[self._vol_of[ino]]
+        raw = self.cache.get(n.entry.ref, src.store.get_object, (FILENODE,))
+        return FileNode.decode(raw)
+
+    def prefetch(self, ino: int) -> None:
+        """Fetch a small file's blocks at open; large files are fetched as read."""
+        n = self.node(ino)
+        if n.entry.kind != K_FILE or n.entry.ref is None or n.entry.size > self.large_file:
+            return
+        fnode = self.file_node(ino)
+        if fnode is None:
+            return
+        src = self._sources[self._vol_of[ino]]
+        for b in fnode.blocks:
+            if b != ZERO_ID:
+                self.cache.get(b, src.store.get_object, (BLOCK,))
+
+    def read(self, ino: int, offset: int, size: int, fnode: FileNode | None = None) -> bytes:
+        n = self.node(ino)
+        e = n.entry
+        if e.kind != K_FILE:
+            raise FsError(errno.EISDIR if e.kind == K_DIR else errno.EINVAL)
+        end = min(e.size, offset + size)
+        if offset >= end:
+            return b""
+        if e.ref is None:
+            return (e.data or b"")[offset:end]
+        if fnode is None:
+            fnode = self.file_node(ino)
+        assert fnode is not None
+        src = self._sources[self._vol_of[ino]]
+        bs = fnode.block_size
+        out = []
+        for i in range(offset // bs, (end - 1) // bs + 1):
+            length = min(bs, fnode.size - i * bs)
+            oid = fnode.blocks[i]
+            if oid == ZERO_ID:
+                blk = bytes(length)
+            else:
+                blk = self.cache.get(oid, src.store.get_object, (BLOCK,))
+                if len(blk) < length:
+                    blk += bytes(length - len(blk))
+            lo = max(offset - i * bs, 0)
+            hi = min(end - i * bs, bs)
+            out.append(blk[lo:hi])
+        return b"".join(out)
+
+
+TREE_KIND = TREE

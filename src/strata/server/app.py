@@ -283,9 +283,15 @@ async def find_snapshot(request: web.Request) -> web.Response:
     sid = await state.run(state.need_store().find_snapshot, prefix)
     scope = _scope(request)
     if not scope.is_owner:
-        volume = request.query.get("volume", "")
+        # The Store interface names no volume here: a token's own volume is the default.
+        volume = request.query.get("volume") or str(scope.volume)
         scope.check_volume(volume)
-        await _check_visible(request, volume, sid)
+        try:
+            await _check_visible(request, volume, sid)
+        except NotFound:
+            # Name the prefix, never the match: the full id of another volume's
+            # snapshot would open all of it through GET /v1/objects.
+            raise NotFound(f"no snapshot matches {prefix} in volume {volume!r}") from None
     return web.json_response({"id": sid})
 
 

@@ -1,0 +1,296 @@
+"""TCP access with bearer tokens, driven from the CLI against a real `strata serve`.
+
+One server per module listens on its unix socket (the owner: creates tokens,
+checks the store) and on a loopback TCP port (token holders only). Volumes
+`a` and `b` hold a file each. Every refusal is checked twice: the caller sees
+the right error, and the owner sees nothing changed.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import stat
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from strata.engine.errors import Forbidden, NotFound, Unauthenticated
+from strata.engine.interface import ChangeSet
+from strata.engine.local import init_store
+from strata.engine.objects import K_FILE, Entry
+from strata.server.client import RemoteStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from serverutil import Server, cli, free_port  # noqa: E402
+
+
+class Env:
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.store = server.store_dir
+        self.owner = server.remote(retry_for=5.0)
+
+    def token(self, scope: str, *flags: str) -> dict[str, Any]:
+        """`strata token create SCOPE FLAGS --json` over the owner's socket."""
+        p = cli("token", "create", scope, *flags, "--json", store=self.store)
+        assert p.returncode == 0, p.stderr
+        tok: dict[str, Any] = json.loads(p.stdout)
+        assert tok["token"].startswith(f"strata_{tok['id']}_")
+        return tok
+
+    def as_token(self, token: str, *args: str, input: bytes | None = None
+                 ) -> tuple[int, str, str]:
+        """A CLI command over TCP with `token`: (exit code, stdout, stderr)."""
+        p = cli(*args, server=self.server.tcp_url, token=token, input=input)
+        return p.returncode, p.stdout.decode(), p.stderr.decode()
+
+    def http(self, method: str, path: str, token: str | None = None,
+             body: Any = None) -> tuple[int, Any]:
+        """One raw request over TCP: (status, decoded JSON body)."""
+        assert self.server.tcp_port is not None
+        conn = http.client.HTTPConnection("127.0.0.1", self.server.tcp_port, timeout=30)
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        try:
+            conn.request(method, path, body=None if body is None else json.dumps(body),
+                         headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        return resp.status, json.loads(data) if data else None
+
+    def state(self) -> dict[str, dict[str, str]]:
+        """Every volume's branches and heads, as the owner sees them."""
+        return {v: self.owner.list_branches(v) for v in self.owner.list_volumes()}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    store = tmp_path_factory.mktemp("tokens") / "store"
+    init_store(str(store))
+    server = Server(store, tcp_port=free_port()).start()
+    e = Env(server)
+    try:
+        for vol, content in (("a", b"alpha\n"), ("b", b"bravo secret\n")):
+            assert cli("volume", "create", vol, store=store).returncode == 0
+            assert cli("put", vol, "f.txt", input=content, store=store).returncode == 0
+        yield e
+    finally:
+        e.owner.close()
+        server.stop()
+
+
+def tcp_store(env: Env, token: str) -> RemoteStore:
+    return RemoteStore(env.server.tcp_url, token, retry_for=5.0)
+
+
+# -- no token, bad tokens ---------------------------------------------------------------------
+
+def test_tcp_refuses_requests_without_a_valid_token(env: Env) -> None:
+    for path in ("/v1/volumes", "/v1/info", "/v1/volumes/a/branches"):
+        status, body = env.http("GET", path)
+        assert status == 401, (path, body)
+        assert body["error"] == "Unauthenticated" and "token" in body["message"]
+    tok = env.token("a", "--ro")
+    tid = tok["id"]
+    for bad in ("junk", f"strata_{tid}_wrong-secret", f"strata_{tid}", "strata_nope_x",
+                tok["token"] + "x"):
+        status, body = env.http("GET", "/v1/volumes", token=bad)
+        assert status == 401, (bad, body)
+    assert env.http("GET", "/v1/volumes", token=tok["token"]) == (200, {"volumes": ["a"]})
+    # The API description is public; the CLI without a token is refused.
+    status, body = env.http("GET", "/openapi.json")
+    assert status == 200 and "/v1/publish" in body["paths"]
+    rc, _out, err = env.as_token("", "ls", "a")
+    assert rc == 1 and "bearer token" in err
+
+
+def test_unix_socket_and_tokens_file_are_owner_only(env: Env) -> None:
+    st = os.stat(env.server.sock)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    env.token("a", "--ro")
+    assert stat.S_IMODE(os.stat(env.store / "tokens.json").st_mode) == 0o600
+
+
+def test_tokens_are_stored_only_as_hashes(env: Env) -> None:
+    tok = env.token("a", "--rw")
+    secret = tok["token"].split("_", 2)[2]
+    text = (env.store / "tokens.json").read_text()
+    assert tok["id"] in text
+    assert secret not in text and tok["token"] not in text
+    doc = json.loads(text)
+    assert set(doc["tokens"][tok["id"]]) >= {"hash", "volume", "writable"}
+    p = cli("token", "list", "--json", store=env.store)
+    assert p.returncode == 0 and tok["id"] in p.stdout.decode()
+    assert secret not in p.stdout.decode()
+
+
+# -- read-only and read-write -------------------------------------------------------------------
+
+def test_read_only_token_reads_but_never_writes(env: Env) -> None:
+    tok = env.token("a", "--ro")["token"]
+    before = env.state()
+    assert env.as_token(tok, "ls", "a")[:2] == (0, "f.txt\n")
+    assert env.as_token(tok, "cat", "a", "f.txt")[:2] == (0, "alpha\n")
+    head = before["a"]["live"]
+    assert env.as_token(tok, "cat", f"a#{head[:12]}", "f.txt")[:2] == (0, "alpha\n")
+    for args, stdin in ((("put", "a", "new.txt"), b"no"), (("rm", "a", "f.txt"), None),
+                        (("fork", "a", "exp"), None), (("branch", "delete", "a@live"), None)):
+        rc, _out, err = env.as_token(tok, *args, input=stdin)
+        assert rc == 1 and "read-only" in err, (args, rc, err)
+    with tcp_store(env, tok) as remote:
+        with pytest.raises(Forbidden, match="read-only"):
+            remote.acquire_lease("a", "live", ttl=30)
+        with pytest.raises(Forbidden, match="read-only"):
+            remote.put_objects([(1, b"a block")])
+        with pytest.raises(Forbidden, match="read-only"):
+            remote.publish([ChangeSet("a", "live", head, {
+                "x": Entry(kind=K_FILE, size=1, data=b"x")})])
+    assert env.state() == before
+
+
+def test_read_write_token_puts_forks_and_leases(env: Env) -> None:
+    tok = env.token("a", "--rw")["token"]
+    rc, out, err = env.as_token(tok, "put", "a", "rw.txt", input=b"written over tcp")
+    assert rc == 0, err
+    sid = out.strip()
+    assert env.owner.head("a", "live") == sid
+    assert env.as_token(tok, "cat", "a", "rw.txt")[:2] == (0, "written over tcp")
+    rc, out, err = env.as_token(tok, "fork", "a", "rw-fork")
+    assert rc == 0 and out.strip() == sid, err
+    with tcp_store(env, tok) as remote:
+        lease = remote.acquire_lease("a", "rw-fork", ttl=30, holder="tcp")
+        remote.release_lease("a", "rw-fork", lease.fencing)
+        remote.delete_branch("a", "rw-fork")
+    assert "rw-fork" not in env.owner.list_branches("a")
+
+
+# -- one volume, one branch -----------------------------------------------------------------------
+
+def test_a_token_for_one_volume_sees_nothing_of_another(env: Env) -> None:
+    tok = env.token("a", "--rw")["token"]
+    before = env.state()
+    b_head = before["b"]["live"]
+    rc, out, _err = env.as_token(tok, "volume", "list")
+    assert (rc, out) == (0, "a\n")
+    for args in (("branch", "list", "b"), ("ls", "b"), ("cat", "b", "f.txt"),
+                 ("log", "b"), ("ls", f"b#{b_head[:12]}"), ("fork", "b", "mine")):
+        rc, out, err = env.as_token(tok, *args)
+        assert rc != 0 and "bravo" not in out, (args, rc, out, err)
+        assert b_head not in out + err
+    rc, _out, err = env.as_token(tok, "put", "b", "x", input=b"x")
+    assert rc == 1 and "volume 'b'" in err
+    # b's snapshot cannot be found from a's side, and the refusal does not name it.
+    status, body = env.http("GET", f"/v1/snapshots/{b_head[:8]}", token=tok)
+    assert status == 404 and b_head not in json.dumps(body), body
+    status, body = env.http("GET", f"/v1/snapshots/{b_head[:8]}?volume=b", token=tok)
+    assert status == 403, body
+    # Nor used as a fork point or as a publish base in a's volume.
+    with tcp_store(env, tok) as remote:
+        assert remote.list_volumes() == ["a"]
+        with pytest.raises(NotFound):
+            remote.fork("a", "stolen", at=b_head)
+        with pytest.raises(NotFound):
+            remote.publish([ChangeSet("a", "live", b_head, {})])
+        with pytest.raises(Forbidden):
+            remote.publish([ChangeSet("b", "live", b_head, {
+                "x": Entry(kind=K_FILE, size=1, data=b"x")})])
+        with pytest.raises(Forbidden):
+            remote.create_volume("c")
+        with pytest.raises(Forbidden):
+            remote.delete_volume("b")
+    assert env.state() == before
+
+
+def test_a_branch_token_writes_only_its_branch(env: Env) -> None:
+    env.owner.fork("a", "exp", at=env.owner.head("a", "live"))
+    tok = env.token("a@exp", "--rw")["token"]
+    before = env.state()
+    rc, out, err = env.as_token(tok, "put", "a@exp", "e.txt", input=b"on exp")
+    assert rc == 0, err
+    assert env.owner.head("a", "exp") == out.strip()
+    # Other branches are out of sight (not found), and out of reach for writes.
+    rc, out, _err = env.as_token(tok, "branch", "list", "a", "--json")
+    assert rc == 0 and [b["name"] for b in json.loads(out)] == ["exp"]
+    for args in (("put", "a", "e.txt"), ("put", "a@live", "e.txt")):
+        rc, _out, err = env.as_token(tok, *args, input=b"no")
+        assert rc == 4 and "no branch 'live'" in err, (args, err)
+    rc, _out, err = env.as_token(tok, "fork", "a@exp", "other")
+    assert rc == 1 and "not valid for branch 'other'" in err, err
+    with tcp_store(env, tok) as remote:
+        with pytest.raises(Forbidden, match="not valid for branch 'live'"):
+            remote.publish([ChangeSet("a", "live", before["a"]["live"], {
+                "e.txt": Entry(kind=K_FILE, size=2, data=b"no")})])
+        with pytest.raises(Forbidden, match="not valid for branch 'live'"):
+            remote.acquire_lease("a", "live", ttl=30)
+        with pytest.raises(Forbidden, match="not valid for branch 'live'"):
+            remote.delete_branch("a", "live")
+    after = env.state()
+    assert after["a"]["live"] == before["a"]["live"] and after["b"] == before["b"]
+    assert set(after["a"]) == set(before["a"])
+
+
+# -- revocation, expiry, administration -----------------------------------------------------------
+
+def test_revoked_tokens_are_refused(env: Env) -> None:
+    by_id, by_token = env.token("a", "--ro"), env.token("a", "--ro")
+    for tok in (by_id, by_token):
+        assert env.as_token(tok["token"], "ls", "a")[0] == 0
+    assert cli("token", "revoke", by_id["id"], store=env.store).returncode == 0
+    assert cli("token", "revoke", by_token["token"], store=env.store).returncode == 0
+    for tok in (by_id, by_token):
+        rc, _out, err = env.as_token(tok["token"], "ls", "a")
+        assert rc == 1 and "revoked" in err, err
+        assert env.http("GET", "/v1/volumes", token=tok["token"])[0] == 401
+    listed = cli("token", "list", "--json", store=env.store).stdout.decode()
+    assert by_id["id"] not in listed and by_token["id"] not in listed
+    p = cli("token", "revoke", by_id["id"], store=env.store)
+    assert p.returncode == 4  # already gone: not found
+
+
+def test_tokens_expire(env: Env) -> None:
+    tok = env.token("a", "--ro", "--ttl", "1")
+    assert tok["expires"] is not None
+    assert env.http("GET", "/v1/volumes", token=tok["token"])[0] == 200
+    time.sleep(max(0.0, tok["expires"] - time.time()) + 0.1)
+    status, body = env.http("GET", "/v1/volumes", token=tok["token"])
+    assert status == 401 and "expired" in body["message"]
+    rc, _out, err = env.as_token(tok["token"], "ls", "a")
+    assert rc == 1 and "expired" in err
+
+
+def test_administration_is_refused_over_tcp(env: Env) -> None:
+    tok = env.token("a", "--rw")["token"]
+    before = env.state()
+    tokens_before = (env.store / "tokens.json").read_bytes()
+    for method, path, body in (
+            ("GET", "/v1/admin/tokens", None),
+            ("POST", "/v1/admin/tokens", {"volume": "b", "writable": True}),
+            ("DELETE", f"/v1/admin/tokens/{tok.split('_')[1]}", None),
+            ("GET", "/v1/admin/stats", None),
+            ("POST", "/v1/admin/fsck", {"rebuild_index": True}),
+            ("POST", "/v1/admin/handoff", {}),
+            ("POST", "/v1/admin/stop", {})):
+        status, reply = env.http(method, path, token=tok, body=body)
+        assert status == 403, (path, status, reply)
+        assert "owner" in reply["message"]
+        assert env.http(method, path, body=body)[0] == 401
+    rc, _out, err = env.as_token(tok, "token", "create", "b", "--rw")
+    assert rc == 1 and "owner" in err
+    assert (env.store / "tokens.json").read_bytes() == tokens_before
+    assert env.state() == before
+    # Still serving: the refused stop and handoff did nothing.
+    assert env.http("GET", "/v1/volumes", token=tok) == (200, {"volumes": ["a"]})
+    with tcp_store(env, tok) as remote:
+        with pytest.raises(Unauthenticated):
+            RemoteStore(env.server.tcp_url, None, retry_for=1.0).list_volumes()
+        assert remote.list_volumes() == ["a"]

@@ -356,6 +356,24 @@ def test_directory_recreated_after_remove_starts_empty(store: LocalStore) -> Non
     assert names(fresh(store), "a") == ["new"]
 
 
+def test_directory_made_where_one_was_renamed_away_starts_empty(store: LocalStore) -> None:
+    # mv build build.old && mkdir build
+    t = fresh(store)
+    t.mkdir("build")
+    t.write("build/out.o", b"object")
+    t.commit()
+    t = fresh(store)
+    t.rename("build", "build.old")
+    t.mkdir("build")
+    t.write("build/new.o", b"new")
+    assert names(t, "build") == ["new.o"]
+    assert names(t, "build.old") == ["out.o"]
+    t.commit()
+    u = fresh(store)
+    assert names(u, "build") == ["new.o"]
+    assert names(u, "build.old") == ["out.o"]
+
+
 # -- attributes --------------------------------------------------------------------------
 
 def test_chmod_chown_utimes_xattrs(store: LocalStore) -> None:

@@ -18,10 +18,15 @@ from strata.server.client import RemoteStore
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("mount", parents=[common],
-                       help="mount a snapshot at DIR (writable; publish with 'strata commit')")
-    p.add_argument("ref", metavar="REF")
+                       help="mount a snapshot at DIR (writable; publish with 'strata commit')",
+                       description="Mount REF at DIR. With several REFs (or --multi) each "
+                                   "volume appears as DIR/NAME; a REF may be written "
+                                   "NAME=REF to choose NAME, and end in :ro.")
+    p.add_argument("refs", metavar="REF", nargs="+")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--ro", action="store_true", help="read-only mount")
+    p.add_argument("--multi", action="store_true",
+                   help="present volumes as subdirectories even for one REF")
     p.add_argument("--background", action="store_true",
                    help="return once the mount is ready and keep serving in the background")
     p.set_defaults(func=cmd_mount)
@@ -29,6 +34,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     c = sub.add_parser("commit", parents=[common], help="publish a mount's changes")
     c.add_argument("dir", metavar="DIR")
     c.add_argument("-m", "--message", default="")
+    c.add_argument("--volume", action="append", dest="volumes", metavar="NAME",
+                   help="commit only this volume of a multi-volume mount (repeatable); "
+                        "by default all change in one atomic commit")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_commit)
 
@@ -59,21 +67,35 @@ def _store_for(args: argparse.Namespace, server: str | None, token: str | None
 
 def cmd_mount(args: argparse.Namespace) -> int:
     from strata.mount.session import VolumeState, new_state
-    ref = parse_ref(args.ref)
     target = os.path.abspath(args.dir)
     if not os.path.isdir(target):
         raise InvalidInput(f"{args.dir} is not a directory")
     if os.listdir(target):
         raise InvalidInput(f"{args.dir} is not empty")
+    single = len(args.refs) == 1 and not args.multi
+    vols: list[VolumeState] = []
     with open_remote(args) as store:
-        sid = ref.resolve(store)
+        scope = store.whoami()
+        for text in args.refs:
+            name, sep, spec = text.partition("=")
+            if not sep:
+                name, spec = "", text
+            ro = args.ro or not scope.get("writable", True)
+            if spec.endswith(":ro"):
+                spec, ro = spec[:-3], True
+            elif spec.endswith(":rw"):
+                spec = spec[:-3]
+            ref = parse_ref(spec)
+            if ref.branch is None and not ro:
+                raise InvalidInput(f"{spec!r}: a writable mount needs a branch (VOLUME or "
+                                   "VOLUME@BRANCH); add :ro or --ro to mount a snapshot")
+            sid = ref.resolve(store)
+            label = "" if single else (name or ref.volume)
+            if not single and label in {v.name for v in vols}:
+                raise InvalidInput(f"two volumes would appear as {label!r}; name them NAME=REF")
+            vols.append(VolumeState(label, ref.volume, ref.branch or "", sid, sid, readonly=ro))
         url, token = store.url, store.token
-    branch = ref.branch or ""
-    if ref.branch is None and not args.ro:
-        raise InvalidInput("a writable mount needs a branch (VOLUME or VOLUME@BRANCH); "
-                           "use --ro to mount a snapshot")
-    vol = VolumeState("", ref.volume, branch, sid, sid, readonly=bool(args.ro))
-    state = new_state(target, url, [vol], single=True)
+    state = new_state(target, url, vols, single=single)
     state.extra["token"] = token
     state.save()
     return serve_mount(state, background=args.background)
@@ -150,7 +172,7 @@ def cmd_commit(args: argparse.Namespace) -> int:
     from strata.mount.session import commit
     state = _state(args)
     with _store_for(args, state.server, state.extra.get("token")) as store:
-        result = commit(store, state, message=args.message)
+        result = commit(store, state, message=args.message, names=args.volumes)
     if args.json:
         print_json({"published": result.published, "changed": result.changed_paths,
                     "uploaded_bytes": result.uploaded_bytes, "seconds": result.seconds})

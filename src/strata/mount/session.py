@@ -126,6 +126,14 @@ def mount_overlays(state: MountState) -> None:
     """Put overlayfs over the FUSE view for every writable volume (FUSE must be up)."""
     done: list[str] = []
     try:
+        if not state.single:
+            # Volumes appear as DIR/NAME on a small private tmpfs, gone with the mount.
+            import subprocess
+            p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755",
+                                "strata-root", state.mountpoint], capture_output=True, text=True)
+            if p.returncode != 0:
+                raise MountError(f"mounting the volume directory failed: {p.stderr.strip()}")
+            done.append(state.mountpoint)
         for v in state.volumes:
             target = state.target(v)
             if not state.single:
@@ -294,10 +302,8 @@ def teardown(state: MountState) -> None:
         if _alive(state.pid):
             with contextlib.suppress(OSError):
                 os.kill(state.pid, signal.SIGTERM)
-    if not state.single:
-        for t in targets:
-            with contextlib.suppress(OSError):
-                os.rmdir(t)
+    if not state.single and is_mountpoint(state.mountpoint):
+        unmount(state.mountpoint, lazy=True)  # the tmpfs holding DIR/NAME
     shutil.rmtree(state.scratch, ignore_errors=True)
 
 

@@ -180,6 +180,13 @@ async def info(request: web.Request) -> web.Response:
                               "version": 1})
 
 
+async def whoami(request: web.Request) -> web.Response:
+    """What the caller's credentials allow (the mount turns read-only tokens into ro mounts)."""
+    scope = _scope(request)
+    return web.json_response({"owner": scope.is_owner, "volume": scope.volume,
+                              "branch": scope.branch, "writable": scope.writable})
+
+
 async def missing(request: web.Request) -> web.Response:
     state = request.app[STATE]
     ids = wire.decode_ids(await _body(request))
@@ -452,6 +459,7 @@ def make_app(state: ServerState) -> web.Application:
     r = app.router
     r.add_get("/openapi.json", openapi)
     r.add_get("/v1/info", info)
+    r.add_get("/v1/whoami", whoami)
     r.add_post("/v1/objects/missing", missing)
     r.add_post("/v1/objects", put_objects)
     r.add_get("/v1/objects/{oid}", get_object)

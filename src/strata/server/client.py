@@ -274,6 +274,10 @@ class RemoteStore(Store):
         elif object_id(TREE, raw) == oid:
             self.node_cache.put(oid, TreeNode.decode(raw))
 
+    def whoami(self) -> dict[str, Any]:
+        """The caller's scope: owner, volume, branch, writable."""
+        return dict(self._json("GET", "/v1/whoami"))
+
     # -- owner administration (unix socket) ---------------------------------------------
 
     def admin(self, method: str, path: str, payload: Any = None) -> Any:

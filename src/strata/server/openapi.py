@@ -58,6 +58,11 @@ OPENAPI: dict[str, Any] = {
                                                        "version": {"type": "integer"}},
                                                       ["store_id", "block_size"])),
                                            **_err(401, 503)}}},
+        "/v1/whoami": {"get": {"summary": "what the caller's credentials allow",
+                               "responses": {**_ok(_obj({"owner": {"type": "boolean"},
+                                                         "writable": {"type": "boolean"}},
+                                                        ["owner", "writable"])),
+                                             **_err(401, 503)}}},
         "/v1/objects/missing": {"post": {
             "summary": "which of these object ids the store lacks",
             "requestBody": {"required": True, "content": {"application/octet-stream": {

@@ -6,12 +6,11 @@ import argparse
 import contextlib
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 from strata.cli.common import open_remote, parse_ref, print_json, server_url, short
-from strata.engine.errors import InvalidInput, StrataError
+from strata.engine.errors import InvalidInput
 from strata.engine.interface import Store
 from strata.server.client import RemoteStore
 
@@ -103,63 +102,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def serve_mount(state: Any, *, background: bool) -> int:
     """Run the FUSE view for `state`, putting the overlays on top once it is up."""
-    from strata.mount import fuse
-    from strata.mount.cache import ContentCache
-    from strata.mount.session import mount_overlays, teardown
-    from strata.mount.vfs import SnapshotFS, Volume
-    rfd, wfd = os.pipe()
-    if background:
-        pid = os.fork()
-        if pid:
-            os.close(wfd)
-            msg = b""
-            while chunk := os.read(rfd, 4096):
-                msg += chunk
-            if msg.startswith(b"ok"):
-                print(f"mounted {state.mountpoint}")
-                return 0
-            print(f"strata: error: {msg.decode(errors='replace') or 'mount process died'}",
-                  file=sys.stderr)
-            return 1
-        os.close(rfd)
-        os.setsid()
-        log = os.open(os.path.join(state.scratch, "mount.log"), os.O_WRONLY | os.O_CREAT, 0o600)
-        for fd in (0, 1, 2):
-            os.dup2(log if fd else os.open(os.devnull, os.O_RDONLY), fd)
-    else:
-        os.close(rfd)
-    state.pid = os.getpid()
-    state.save()
-    store = RemoteStore(state.server, state.extra.get("token"))
-    try:
-        fs = SnapshotFS([Volume(v.name or v.volume, store, v.pinned) for v in state.volumes],
-                        ContentCache(), single=state.single)
-    except StrataError as exc:
-        os.write(wfd, str(exc).encode())
-        teardown(state)
+    from strata.mount.process import start
+    error = start(state, background=background)
+    if error is not None:
+        print(f"strata: error: {error}", file=sys.stderr)
         return 1
-
-    def overlay_up() -> None:
-        try:
-            mount_overlays(state)
-        except Exception as exc:
-            os.write(wfd, str(exc).encode())
-            os.close(wfd)
-            os.system(f"umount -l {state.lower}")
-            return
-        os.write(wfd, b"ok")
-        os.close(wfd)
-        if not background:
-            print(f"mounted {state.mountpoint} (Ctrl-C or 'strata unmount' to stop)",
-                  file=sys.stderr, flush=True)
-
-    def ready() -> None:
-        threading.Thread(target=overlay_up, daemon=True).start()
-
-    try:
-        fuse.run(fs, state.lower, fsname=f"strata:{state.volumes[0].volume}", on_ready=ready)
-    except KeyboardInterrupt:
-        pass
+    if background:
+        print(f"mounted {state.mountpoint}")
     return 0
 
 

@@ -281,14 +281,14 @@ def has_uncommitted(store: Store, state: MountState) -> bool:
     return any(pending(store, state, v)[0] for v in state.volumes if not v.readonly)
 
 
-def teardown(state: MountState) -> None:
+def teardown(state: MountState, *, lazy: bool = False) -> None:
     """Unmount overlays and the FUSE view, stop the mount process, drop scratch."""
     errors = []
     targets = [state.target(v) for v in state.volumes]
     for t in targets:
         if is_mountpoint(t):
             try:
-                unmount(t)
+                unmount(t, lazy=lazy)
             except MountError as exc:
                 errors.append(str(exc))
     if errors:

@@ -1,0 +1,109 @@
+"""The mount process: serve the FUSE view and put the overlays on top.
+
+`start` runs in the foreground until the view is unmounted, or (background)
+forks a detached process and returns once the mount is ready or has failed.
+With `watch_pid`, the mount process tears itself down, discarding the upper
+directories, as soon as that process is gone: a step runner that dies
+publishes nothing and leaves no scratch behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+
+from strata.engine.errors import StrataError
+from strata.mount.session import MountState, mount_overlays, teardown
+from strata.server.client import RemoteStore
+
+
+def start(state: MountState, *, background: bool, watch_pid: int | None = None,
+          announce: bool = True) -> str | None:
+    """Mount; in the background, return None once ready or the error message."""
+    from strata.mount import fuse
+    from strata.mount.cache import ContentCache
+    from strata.mount.vfs import SnapshotFS, Volume
+    rfd, wfd = os.pipe()
+    if background:
+        pid = os.fork()
+        if pid:
+            os.close(wfd)
+            msg = b""
+            while chunk := os.read(rfd, 4096):
+                msg += chunk
+            os.close(rfd)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)  # the intermediate child exits at once
+            return None if msg.startswith(b"ok") else (
+                msg.decode(errors="replace") or "the mount process died")
+        os.close(rfd)
+        os.setsid()
+        if os.fork():  # detach fully: the caller never has to reap us
+            os._exit(0)
+        log = os.open(os.path.join(state.scratch, "mount.log"),
+                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+    else:
+        os.close(rfd)
+    state.pid = os.getpid()
+    state.save()
+    store = RemoteStore(state.server or "", state.extra.get("token"))
+    try:
+        fs = SnapshotFS([Volume(v.name or v.volume, store, v.pinned) for v in state.volumes],
+                        ContentCache(), single=state.single)
+    except StrataError as exc:
+        os.write(wfd, str(exc).encode())
+        os.close(wfd)
+        teardown(state)
+        if background:
+            os._exit(1)
+        return str(exc)
+
+    def overlay_up() -> None:
+        try:
+            mount_overlays(state)
+        except Exception as exc:
+            os.write(wfd, str(exc).encode())
+            os.close(wfd)
+            os.system(f"umount -l {state.lower}")
+            return
+        os.write(wfd, b"ok")
+        os.close(wfd)
+        if not background and announce:
+            print(f"mounted {state.mountpoint} (Ctrl-C or 'strata unmount' to stop)",
+                  file=sys.stderr, flush=True)
+        if watch_pid is not None:
+            _watch(watch_pid, state)
+
+    def ready() -> None:
+        threading.Thread(target=overlay_up, daemon=True).start()
+
+    try:
+        fuse.run(fs, state.lower, fsname=f"strata:{state.volumes[0].volume}", on_ready=ready)
+    except KeyboardInterrupt:
+        pass
+    if background:
+        os._exit(0)
+    return None
+
+
+def _watch(pid: int, state: MountState) -> None:
+    while True:
+        time.sleep(0.2)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            continue
+        if not os.path.isdir(state.scratch):
+            return  # torn down by its owner
+    # Our owner died without tearing us down: discard everything.
+    with contextlib.suppress(Exception):
+        teardown(state, lazy=True)

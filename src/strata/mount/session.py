@@ -205,7 +205,7 @@ class CommitResult:
 
 def commit(store: Store, state: MountState, *, message: str = "",
            meta: dict[str, Any] | None = None, names: list[str] | None = None,
-           lease: int | None = None) -> CommitResult:
+           leases: dict[str, int] | None = None) -> CommitResult:
     """Publish the mount's volumes (all, or `names`) in one atomic commit."""
     t0 = time.monotonic()
     todo = [v for v in state.volumes if not v.readonly and (names is None or v.name in names)]
@@ -216,11 +216,11 @@ def commit(store: Store, state: MountState, *, message: str = "",
         if not changes:
             continue
         changesets.append(ChangeSet(v.volume, v.branch, v.base, changes, message,
-                                    dict(meta or {}), lease))
+                                    dict(meta or {}), (leases or {}).get(v.name)))
         for e in changes.values():
             if e is not None and e.ref is not None and e.ref in scan.objects:
                 _collect(scan, e.ref, objects)
-    uploaded = _upload(store, objects)
+    uploaded, sent = _upload(store, objects)
     heads = store.publish(changesets, uploaded) if changesets else []
     published = {}
     moved = iter(heads)
@@ -230,8 +230,8 @@ def commit(store: Store, state: MountState, *, message: str = "",
         v.published = {p: entry_digest(e) for p, e in scan.changes.items()}
         published[v.name or v.volume] = v.base
     state.save()
-    return CommitResult(published, sum(len(c) for _v, c, _s in work),
-                        sum(len(o[1]) for o in objects.values()), time.monotonic() - t0)
+    return CommitResult(published, sum(len(c) for _v, c, _s in work), sent,
+                        time.monotonic() - t0)
 
 
 def _collect(scan: Scan, ref: bytes, out: dict[bytes, tuple[int, bytes]]) -> None:
@@ -243,14 +243,20 @@ def _collect(scan: Scan, ref: bytes, out: dict[bytes, tuple[int, bytes]]) -> Non
             out[b] = scan.objects[b]
 
 
-def _upload(store: Store, objects: dict[bytes, tuple[int, bytes]]) -> list[tuple[int, bytes]]:
-    """Upload what the store lacks; small sets ride with the publish instead."""
+def _upload(store: Store, objects: dict[bytes, tuple[int, bytes]]
+            ) -> tuple[list[tuple[int, bytes]], int]:
+    """Upload what the store lacks; small sets ride with the publish instead.
+
+    Returns the objects to send with the publish and the bytes sent in all:
+    only what the store lacked, so a copy of data it has costs nothing.
+    """
     if not objects:
-        return []
+        return [], 0
     lacking = set(store.missing(list(objects)))
     todo = [objects[o] for o in objects if o in lacking]
-    if sum(len(r) for _k, r in todo) <= MAX_INLINE_UPLOAD:
-        return todo
+    sent = sum(len(r) for _k, r in todo)
+    if sent <= MAX_INLINE_UPLOAD:
+        return todo, sent
     batch: list[tuple[int, bytes]] = []
     size = 0
     for obj in todo:
@@ -261,7 +267,7 @@ def _upload(store: Store, objects: dict[bytes, tuple[int, bytes]]) -> list[tuple
             batch, size = [], 0
     if batch:
         store.put_objects(batch)
-    return []
+    return [], sent
 
 
 def status(store: Store, state: MountState) -> dict[str, Any]:

@@ -1,0 +1,71 @@
+"""`strata run`: a command in a sandbox as one transaction over its volumes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from strata.cli.common import open_remote, print_json
+from strata.engine.errors import InvalidInput
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "run", parents=[common], help="run a command as a transaction over volumes",
+        description="Run CMD in a sandbox with each volume at /storage/NAME. Exit 0 publishes "
+                    "every changed read-write volume atomically; anything else publishes "
+                    "nothing. SPEC is NAME[@BRANCH][:ro|:rw][:exclusive][:run].")
+    p.add_argument("-v", "--volume", action="append", default=[], dest="specs",
+                   metavar="SPEC", help="a volume for the step (repeatable)")
+    p.add_argument("--sandbox", choices=("none", "bwrap", "gvisor"), default="bwrap")
+    p.add_argument("--timeout", type=float, default=None, metavar="S")
+    p.add_argument("--memory", type=_size, default=None, metavar="BYTES",
+                   help="memory limit (suffixes K, M, G allowed)")
+    p.add_argument("--network", action="store_true", help="allow network access")
+    p.add_argument("-m", "--message", default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
+    p.set_defaults(func=cmd_run)
+
+
+def _size(text: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    try:
+        value = int(float(text[:-1] if mult > 1 else text) * mult)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError("size must be positive")
+    return value
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from strata.run.runner import run_step
+    from strata.run.spec import parse_spec
+    argv = list(args.cmd)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise InvalidInput("no command given (strata run -v VOL -- CMD ...)")
+    specs = [parse_spec(s) for s in args.specs]
+    if len({s.volume for s in specs}) != len(specs):
+        raise InvalidInput("a volume appears twice")
+    with open_remote(args) as store:
+        result = run_step(store, specs, argv, sandbox=args.sandbox, timeout=args.timeout,
+                          memory=args.memory, network=args.network, message=args.message)
+    if args.json:
+        print_json({"status": result.status, "published": result.published,
+                    "conflicts": result.conflicts, "run": result.run_id,
+                    "rejected": result.rejected, "timed_out": result.timed_out,
+                    "oom": result.oom, "timings": result.timings})
+    elif result.conflicts:
+        print(f"strata: error: conflict: {len(result.conflicts)} path(s) changed since the step "
+              f"began; nothing was published (kept on rejected/{result.run_id})",
+              file=sys.stderr)
+        for path in result.conflicts:
+            print(path, file=sys.stderr)
+    elif result.timed_out:
+        print(f"strata: step timed out after {args.timeout:g}s; nothing was published",
+              file=sys.stderr)
+    return result.status

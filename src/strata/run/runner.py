@@ -1,0 +1,200 @@
+"""One step: pin volumes, mount them, run the command, publish or discard.
+
+Exit status 0 publishes every changed read-write volume in one atomic
+commit; any other outcome (non-zero exit, a signal, the memory limit, the
+timeout, or the death of the runner, noticed by the mount process) publishes
+nothing and removes the scratch data. A conflicting publish keeps the
+rejected change set on `rejected/<run-id>` for inspection and exits 3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.engine.errors import Conflict, StrataError, Unavailable
+from strata.engine.interface import ChangeSet, Store
+from strata.mount.session import (
+    MountState,
+    VolumeState,
+    commit,
+    new_state,
+    pending,
+    scratch_root,
+    teardown,
+)
+from strata.run.sandbox import build_command, run_command
+from strata.run.spec import VolumeSpec
+
+LEASE_TTL = 15.0
+CONFLICT_EXIT = 3
+
+
+@dataclass
+class StepResult:
+    run_id: str
+    status: int
+    published: dict[str, str] = field(default_factory=dict)
+    conflicts: list[str] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)
+    timed_out: bool = False
+    oom: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run_id, "status": self.status, "published": self.published,
+                "conflicts": self.conflicts, "rejected": self.rejected,
+                "timed_out": self.timed_out, "oom": self.oom, "timings": self.timings}
+
+
+class _Leases:
+    """Leases held for :exclusive volumes, renewed in the background while the step runs."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.held: dict[str, tuple[str, str, int]] = {}  # name -> (volume, branch, fencing)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost: list[str] = []
+
+    def acquire(self, name: str, volume: str, branch: str, holder: str,
+                wait: float) -> int:
+        deadline = time.monotonic() + wait
+        delay = 0.05
+        while True:
+            try:
+                lease = self.store.acquire_lease(volume, branch, LEASE_TTL, holder)
+                self.held[name] = (volume, branch, lease.fencing)
+                return lease.fencing
+            except Unavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    def start(self) -> None:
+        if self.held:
+            self._thread = threading.Thread(target=self._renew, daemon=True)
+            self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(LEASE_TTL / 3):
+            for name, (volume, branch, fencing) in list(self.held.items()):
+                try:
+                    self.store.renew_lease(volume, branch, fencing, LEASE_TTL)
+                except StrataError:
+                    self.lost.append(name)
+
+    def tokens(self) -> dict[str, int]:
+        return {name: f for name, (_v, _b, f) in self.held.items()}
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for volume, branch, fencing in self.held.values():
+            with contextlib.suppress(StrataError):
+                self.store.release_lease(volume, branch, fencing)
+        self.held.clear()
+
+
+def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox: str = "bwrap",
+             timeout: float | None = None, memory: int | None = None, network: bool = False,
+             lease_wait: float = 600.0, message: str | None = None) -> StepResult:
+    """Run `argv` as one transaction over `specs` (see the module docstring)."""
+    from strata.mount.process import start
+    from strata.server.client import RemoteStore
+    if not isinstance(store, RemoteStore):
+        raise StrataError("steps need a store server (the mount process reads through it)")
+    t0 = time.monotonic()
+    run_id = uuid.uuid4().hex[:12]
+    result = StepResult(run_id, 0)
+    leases = _Leases(store)
+    workdir = os.path.join(scratch_root(), f"run-{run_id}")
+    storage = os.path.join(workdir, "storage")
+    os.makedirs(storage, mode=0o755)
+    state: MountState | None = None
+    try:
+        vols = []
+        for spec in specs:
+            branch = spec.branch
+            if spec.run_scoped:
+                branch = f"run/{run_id}"
+                store.fork(spec.volume, branch, at=store.head(spec.volume, spec.branch))
+            if spec.exclusive:
+                leases.acquire(spec.name, spec.volume, branch, f"run {run_id}", lease_wait)
+            head = store.head(spec.volume, branch)
+            vols.append(VolumeState(spec.name, spec.volume, branch, head, head,
+                                    readonly=not spec.writable))
+        leases.start()
+        state = new_state(storage, store.url, vols, single=False)
+        state.extra["token"] = store.token
+        state.extra["run"] = run_id
+        state.save()
+        error = start(state, background=True, watch_pid=os.getpid())
+        if error is not None:
+            raise StrataError(f"could not mount the step's volumes: {error}")
+        cmd, env = build_command(sandbox, argv, storage, network=network, workdir=workdir,
+                                 run_id=run_id, memory=memory)
+        result.timings["start"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        outcome = run_command(cmd, env, cwd=storage, timeout=timeout, memory=memory,
+                              cgroup_name=f"strata-{run_id}")
+        t2 = time.monotonic()
+        result.timings["command"] = t2 - t1
+        result.status, result.timed_out, result.oom = (outcome.status, outcome.timed_out,
+                                                       outcome.oom)
+        if result.timed_out:
+            result.status = 124  # as coreutils timeout(1) reports it
+        if result.status == 0:
+            if leases.lost:
+                raise Unavailable(f"lost the lease on {', '.join(leases.lost)}; not publishing")
+            _publish(store, state, result, argv, message, leases.tokens())
+        result.timings["finish"] = time.monotonic() - t2
+        return result
+    finally:
+        if state is not None:
+            with contextlib.suppress(Exception):
+                teardown(state, lazy=True)
+        leases.release()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _publish(store: Store, state: MountState, result: StepResult, argv: list[str],
+             message: str | None, leases: dict[str, int]) -> None:
+    msg = message or f"run {result.run_id}: {' '.join(argv)[:200]}"
+    meta = {"run": result.run_id, "argv": argv[:64]}
+    try:
+        done = commit(store, state, message=msg, meta=meta, leases=leases)
+        result.published = {name: sid for name, sid in done.published.items()
+                            if any(v.name == name and not v.readonly for v in state.volumes)}
+    except Conflict as exc:
+        result.status = CONFLICT_EXIT
+        result.conflicts = exc.paths
+        _keep_rejected(store, state, result, msg, meta)
+
+
+def _keep_rejected(store: Store, state: MountState, result: StepResult, msg: str,
+                   meta: dict[str, Any]) -> None:
+    """Publish the refused change sets on rejected/<run-id>, from the snapshots they saw."""
+    branch = f"rejected/{result.run_id}"
+    for v in state.volumes:
+        if v.readonly:
+            continue
+        changes, scan = pending(store, state, v)
+        if not changes:
+            continue
+        with contextlib.suppress(StrataError):
+            store.fork(v.volume, branch, at=v.pinned)
+            objects = [scan.objects[o] for o in scan.objects]
+            lacking = set(store.missing([o for o in scan.objects]))
+            upload = [o for o, oid in zip(objects, scan.objects, strict=True) if oid in lacking]
+            (sid,) = store.publish([ChangeSet(v.volume, branch, v.pinned, changes,
+                                              f"rejected: {msg}", meta)], upload)
+            result.rejected[v.name] = sid

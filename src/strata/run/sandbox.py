@@ -1,0 +1,201 @@
+"""Launching the step's command: no sandbox, bubblewrap, or gVisor (runsc).
+
+Every sandbox sees the volumes at /storage/NAME (`STRATA_STORAGE` says where)
+and a private /tmp; bwrap and gVisor see the host root read-only and no
+network unless asked. Memory is capped with a memory cgroup (v1 or v2) when
+one can be created, else with RLIMIT_AS; time with a deadline after which the
+whole process group is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+from strata.engine.errors import InvalidInput
+
+SANDBOXES = ("none", "bwrap", "gvisor")
+
+
+@dataclass
+class Outcome:
+    status: int          # exit status (128 + signal when killed), as a shell reports it
+    timed_out: bool = False
+    oom: bool = False
+
+
+class MemoryCgroup:
+    """A child memory cgroup of ours with a hard limit, or nothing if we cannot."""
+
+    def __init__(self, limit: int, name: str) -> None:
+        self.path: str | None = None
+        self.procs_file = ""
+        self.version = 0
+        mine = _own_cgroup()
+        v1 = mine.get("memory")
+        if v1 is not None and os.path.isdir("/sys/fs/cgroup/memory"):
+            path = os.path.join("/sys/fs/cgroup/memory" + v1, name)
+            with contextlib.suppress(OSError):
+                os.mkdir(path)
+                with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+                    f.write(str(limit))
+                with contextlib.suppress(OSError), open(
+                        os.path.join(path, "memory.memsw.limit_in_bytes"), "w") as f:
+                    f.write(str(limit))
+                self.path, self.version = path, 1
+        if self.path is None and "" in mine:
+            base = "/sys/fs/cgroup/unified" if os.path.isdir("/sys/fs/cgroup/unified") else (
+                "/sys/fs/cgroup")
+            path = os.path.join(base + mine[""], name)
+            with contextlib.suppress(OSError):
+                os.mkdir(path)
+                with open(os.path.join(path, "memory.max"), "w") as f:
+                    f.write(str(limit))
+                self.path, self.version = path, 2
+        if self.path is not None:
+            self.procs_file = os.path.join(self.path, "cgroup.procs")
+
+    def oom_killed(self) -> bool:
+        if self.path is None:
+            return False
+        name = "memory.oom_control" if self.version == 1 else "memory.events"
+        with contextlib.suppress(OSError), open(os.path.join(self.path, name)) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and int(value) > 0:
+                    return True
+        return False
+
+    def remove(self) -> None:
+        if self.path is None:
+            return
+        for _ in range(50):
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError:
+                time.sleep(0.02)
+
+
+def _own_cgroup() -> dict[str, str]:
+    out: dict[str, str] = {}
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
+        for line in f:
+            _n, controllers, path = line.rstrip("\n").split(":", 2)
+            for c in controllers.split(","):
+                out[c] = path
+    return out
+
+
+def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
+                  workdir: str, run_id: str, memory: int | None
+                  ) -> tuple[list[str], dict[str, str]]:
+    """The command line that runs `argv` in `sandbox`, and its environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+    if sandbox == "none":
+        env["STRATA_STORAGE"] = storage
+        return argv, env
+    env["STRATA_STORAGE"] = "/storage"
+    if sandbox == "bwrap":
+        if shutil.which("bwrap") is None:
+            raise InvalidInput("bubblewrap (bwrap) is not installed")
+        # The host root read-only, entry by entry (a bind of / itself would leave no
+        # place to create /storage), then private /dev, /proc and /tmp.
+        cmd = ["bwrap"]
+        for name in sorted(os.listdir("/")):
+            if name in ("proc", "dev", "tmp", "storage"):
+                continue
+            path = "/" + name
+            if os.path.islink(path):
+                cmd += ["--symlink", os.readlink(path), path]
+            elif os.path.isdir(path):
+                cmd += ["--ro-bind", path, path]
+        cmd += ["--dev", "/dev", "--proc", "/proc",
+               "--tmpfs", "/tmp", "--bind", storage, "/storage", "--unshare-all",
+               "--die-with-parent", "--new-session", "--chdir", "/storage",
+               "--setenv", "STRATA_STORAGE", "/storage"]
+        if network:
+            cmd.append("--share-net")
+        return [*cmd, "--", *argv], env
+    if sandbox == "gvisor":
+        if shutil.which("runsc") is None:
+            raise InvalidInput("gVisor (runsc) is not installed")
+        bundle = os.path.join(workdir, "bundle")
+        os.makedirs(bundle, exist_ok=True)
+        config = _oci_config(argv, env, storage, network=network, memory=memory)
+        with open(os.path.join(bundle, "config.json"), "w") as f:
+            json.dump(config, f)
+        cmd = ["runsc", "--root", os.path.join(workdir, "runsc-root"),
+               "--network=host" if network else "--network=none", "--platform=ptrace",
+               "--ignore-cgroups", "run", "--bundle", bundle, f"strata-{run_id}"]
+        return cmd, env
+    raise InvalidInput(f"unknown sandbox {sandbox!r} (use {', '.join(SANDBOXES)})")
+
+
+def _oci_config(argv: list[str], env: dict[str, str], storage: str, *, network: bool,
+                memory: int | None) -> dict[str, object]:
+    namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
+    if not network:
+        namespaces.append({"type": "network"})
+    linux: dict[str, object] = {"namespaces": namespaces}
+    if memory:
+        linux["resources"] = {"memory": {"limit": memory}}
+    return {
+        "ociVersion": "1.0.0",
+        "process": {"terminal": False, "user": {"uid": os.getuid(), "gid": os.getgid()},
+                    "args": argv, "cwd": "/storage",
+                    "env": [f"{k}={v}" for k, v in env.items()]},
+        "root": {"path": "/", "readonly": True},
+        "hostname": "strata-step",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=1777"]},
+            {"destination": "/storage", "type": "bind", "source": storage,
+             "options": ["rbind", "rw"]},
+        ],
+        "linux": linux,
+    }
+
+
+def run_command(cmd: list[str], env: dict[str, str], *, cwd: str, timeout: float | None,
+                memory: int | None, cgroup_name: str) -> Outcome:
+    """Run to completion in its own process group; kill it all at the deadline."""
+    cg = MemoryCgroup(memory, cgroup_name) if memory else None
+
+    def preexec() -> None:
+        os.setpgrp()
+        if cg is not None and cg.path is not None:
+            with open(cg.procs_file, "w") as f:
+                f.write(str(os.getpid()))
+        elif memory:
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, preexec_fn=preexec)
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    finally:
+        oom = cg.oom_killed() if cg is not None else False
+        if cg is not None:
+            cg.remove()
+    rc = proc.returncode
+    status = 128 - rc if rc < 0 else rc
+    return Outcome(status, timed_out, oom)

@@ -31,10 +31,20 @@ class ContentCache:
         self.limit = limit
         os.makedirs(self.path, exist_ok=True)
         self._lock = threading.Lock()
-        self._size = self._measure()
+        self._size = 0
+        # Measuring a large cache walks every file: do it off the mount's start path.
+        threading.Thread(target=self._init_size, daemon=True).start()
         self.hits = 0
         self.misses = 0
         self.fetched_bytes = 0
+
+    def _init_size(self) -> None:
+        total = self._measure()
+        with self._lock:
+            self._size += total
+            over = self._size > self.limit
+        if over:
+            self.evict()
 
     def _measure(self) -> int:
         total = 0

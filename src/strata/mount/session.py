@@ -199,7 +199,7 @@ def pending(store: Store, state: MountState, v: VolumeState
 class CommitResult:
     published: dict[str, str]   # volume name -> new head
     changed_paths: int
-    uploaded_bytes: int
+    uploaded_bytes: int         # objects sent: only those the store lacked
     seconds: float
 
 

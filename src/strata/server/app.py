@@ -57,6 +57,8 @@ class ServerState:
         self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="strata-api")
         self.on_handoff: Callable[[], Awaitable[None]] | None = None
         self.on_stop: Callable[[], Awaitable[None]] | None = None
+        # Objects served by GET /v1/objects (what mounts and remote readers fetched).
+        self.served = {"objects_served": 0, "bytes_served": 0}
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -207,8 +209,10 @@ async def get_object(request: web.Request) -> web.Response:
     oid = _oid(request.match_info["oid"])
     raw = await state.run(state.need_store().get_object, oid)
     rng = request.http_range
+    state.served["objects_served"] += 1
     if rng.start is not None or rng.stop is not None:
         start, stop, _step = rng.indices(len(raw))
+        state.served["bytes_served"] += max(stop - start, 0)
         if start >= len(raw) and len(raw) > 0:
             return web.json_response({"error": "InvalidInput", "message": "range not satisfiable"},
                                      status=416)
@@ -216,6 +220,7 @@ async def get_object(request: web.Request) -> web.Response:
                             content_type="application/octet-stream",
                             headers={"Content-Range": f"bytes {start}-{max(stop - 1, start)}/"
                                                       f"{len(raw)}"})
+    state.served["bytes_served"] += len(raw)
     return web.Response(body=raw, content_type="application/octet-stream")
 
 
@@ -417,8 +422,9 @@ async def token_revoke(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     _owner(request)
-    store = request.app[STATE].need_store()
-    return web.json_response(dict(store.stats))
+    state = request.app[STATE]
+    store = state.need_store()
+    return web.json_response({**store.stats, **state.served})
 
 
 async def fsck(request: web.Request) -> web.Response:

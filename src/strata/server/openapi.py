@@ -175,7 +175,8 @@ OPENAPI: dict[str, Any] = {
                             "schema": {"type": "string"}}],
             "responses": {**_ok(_obj({"revoked": {"type": "string"}}, ["revoked"])),
                           **_err(401, 403, 404)}}},
-        "/v1/admin/stats": {"get": {"summary": "engine counters (owner only)",
+        "/v1/admin/stats": {"get": {"summary": "engine counters and objects served "
+                                               "(owner only)",
                                     "responses": {**_ok({"type": "object"}),
                                                   **_err(401, 403, 503)}}},
     },

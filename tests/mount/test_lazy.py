@@ -1,0 +1,164 @@
+"""Laziness, measured by the server's own work: what a mount fetches, and what a commit sends.
+
+The server counts every object it serves (`objects_served`, `bytes_served` in
+GET /v1/admin/stats), so these tests count real fetches over the socket, not
+calls inside the mount process. Each test has its own store, server and
+content cache (`XDG_CACHE_HOME` is per test), so the cache starts cold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from mount_harness import MountEnv
+
+from strata.engine.txn import Transaction
+from strata.server.client import RemoteStore, default_socket
+
+MIB = 1024 * 1024
+BLOCK = 64 * 1024
+BIG = 64 * MIB
+
+
+def _remote(menv: MountEnv) -> RemoteStore:
+    return RemoteStore("unix://" + default_socket(str(menv.store)))
+
+
+def _served(rs: RemoteStore) -> tuple[int, int]:
+    s = rs.admin("GET", "stats")
+    return int(s["objects_served"]), int(s["bytes_served"])
+
+
+def _big_bytes() -> bytes:
+    # Distinct blocks (no dedupe inside the file), cheap to regenerate for checks.
+    return b"".join(i.to_bytes(4, "little") * (BLOCK // 4) for i in range(BIG // BLOCK))
+
+
+@pytest.fixture
+def lazy_vol(menv: MountEnv, tmp_path: Path) -> RemoteStore:
+    """A volume 'v' of 5,000 small files in 50 directories and one 64 MiB file."""
+    src = tmp_path / "src"
+    for d in range(50):
+        sub = src / f"d{d:02}"
+        sub.mkdir(parents=True)
+        for i in range(100):
+            (sub / f"f{i:03}.txt").write_text(f"file {d}/{i}\n" * 20)
+    (src / "big").write_bytes(_big_bytes())
+    (src / "README").write_text("top\n")
+    menv.run("volume", "create", "v")
+    menv.run("import", "v", str(src))
+    rs = _remote(menv)
+    yield rs
+    rs.close()
+
+
+def test_mount_and_list_root_fetch_a_handful(menv: MountEnv, lazy_vol: RemoteStore) -> None:
+    before = _served(lazy_vol)
+    m = menv.mount("v")
+    mounted = _served(lazy_vol)
+    names = subprocess.run(["ls", "-la", str(m)], capture_output=True, text=True,
+                           check=True).stdout
+    after = _served(lazy_vol)
+    assert "d49" in names and "big" in names
+    # Mounting reads the snapshot record; listing the root reads the root's tree
+    # nodes. Nothing of the 50 directories, 5,001 files or their contents.
+    assert mounted[0] - before[0] <= 2, (before, mounted)
+    assert after[0] - before[0] <= 8, (before, after)
+    assert after[1] - before[1] < 64 * 1024
+    # A lookup one level down fetches that directory's nodes only.
+    assert (m / "d07" / "f042.txt").read_text() == "file 7/42\n" * 20
+    deeper = _served(lazy_vol)
+    assert deeper[0] - after[0] <= 8, (after, deeper)
+    menv.unmount(m)
+
+
+def test_large_file_reads_fetch_only_the_blocks_read(menv: MountEnv,
+                                                     lazy_vol: RemoteStore) -> None:
+    m = menv.mount("v")
+    (m / "README").read_text()  # the root's nodes, so they are not counted below
+    assert (m / "d07" / "f042.txt").read_text() == "file 7/42\n" * 20
+    before = _served(lazy_vol)
+    offset = 40 * MIB + 3 * BLOCK
+    with open(m / "big", "rb") as f:
+        f.seek(offset)
+        data = f.read(MIB)
+    after = _served(lazy_vol)
+    assert data == _big_bytes()[offset:offset + MIB]
+    # 16 blocks cover the read, plus the file's block list; kernel readahead may
+    # ask for a little more, never the 1,024 blocks of the whole file.
+    blocks = after[0] - before[0]
+    assert 16 <= blocks <= 16 + 1 + 8, (before, after)
+    assert after[1] - before[1] <= MIB + 8 * BLOCK + 64 * 1024
+
+    # A second mount of the same data on this machine shares the content cache:
+    # the same reads fetch nothing, only the mount's snapshot record at most.
+    menv.unmount(m)
+    again = _served(lazy_vol)
+    m2 = menv.mount("v", "m2")
+    assert (m2 / "README").read_text() == "top\n"
+    with open(m2 / "big", "rb") as f:
+        f.seek(offset)
+        assert f.read(MIB) == data
+    assert (m2 / "d07" / "f042.txt").read_text() == "file 7/42\n" * 20
+    final = _served(lazy_vol)
+    assert final[0] - again[0] <= 1, (again, final)
+    assert final[1] - again[1] < 4096
+    menv.unmount(m2)
+
+
+def test_small_files_are_fetched_whole_at_open(menv: MountEnv, tmp_path: Path) -> None:
+    menv.run("volume", "create", "s")
+    src = tmp_path / "small"
+    src.mkdir()
+    (src / "two-mib").write_bytes(os.urandom(2 * MIB))
+    menv.run("import", "s", str(src))
+    rs = _remote(menv)
+    m = menv.mount("s")
+    os.stat(m / "two-mib")
+    before = _served(rs)
+    with open(m / "two-mib", "rb") as f:
+        f.read(10)
+    after = _served(rs)
+    # Under the 8 MiB threshold the whole file comes at open: 32 blocks and its list.
+    assert after[0] - before[0] == 33, (before, after)
+    menv.unmount(m)
+    rs.close()
+
+
+def _commit_json(menv: MountEnv, m: Path) -> dict[str, object]:
+    out: dict[str, object] = json.loads(menv.run("commit", str(m), "--json").stdout)
+    return out
+
+
+def test_commit_of_one_changed_block_uploads_about_one_block(menv: MountEnv,
+                                                             lazy_vol: RemoteStore) -> None:
+    m = menv.mount("v")
+    offset = 10 * MIB + 1000
+    patch = b"\xa5" * 4096
+    with open(m / "big", "r+b") as f:  # copies the whole file up, changes one block
+        f.seek(offset)
+        f.write(patch)
+    written = int(lazy_vol.admin("GET", "stats")["bytes_written"])
+    res = _commit_json(menv, m)
+    assert res["changed"] == 1
+    # One changed block (64 KiB) and the new block list (32 bytes per block:
+    # 32 KiB for 1,024 blocks). Not the 64 MiB the upper directory holds.
+    uploaded = int(res["uploaded_bytes"])  # type: ignore[call-overload]
+    assert BLOCK <= uploaded <= BLOCK + 40 * 1024, res
+    grew = int(lazy_vol.admin("GET", "stats")["bytes_written"]) - written
+    assert grew <= 256 * 1024, grew
+    t = Transaction(lazy_vol, "v")
+    assert t.read("big", offset - 10, 4116) == (_big_bytes()[offset - 10:offset] + patch
+                                                + _big_bytes()[offset + 4096:offset + 4106])
+
+    # A copy of a file the store already has sends its new block list only.
+    with open(m / "big", "rb") as f, open(m / "big-copy", "wb") as g:
+        while chunk := f.read(4 * MIB):
+            g.write(chunk)
+    res = _commit_json(menv, m)
+    assert int(res["uploaded_bytes"]) <= 40 * 1024, res  # type: ignore[call-overload]
+    menv.unmount(m)

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from bench import engine
+from bench import engine, server
 from bench.report import print_table
 
 
@@ -20,7 +20,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     args = ap.parse_args()
     rows = engine.run(args.dir, quick=args.quick)
-    print_table("strata engine benchmarks (local disk baseline from the same run)", rows)
+    rows += server.run(args.dir, quick=args.quick)
+    print_table("strata engine and server benchmarks (local disk baseline from the same run)",
+                rows)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=2)

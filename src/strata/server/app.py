@@ -133,15 +133,18 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
         return resp
     except web.HTTPException:
         raise
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as exc:
+        # OverflowError: float() of a JSON integer of hundreds of digits (a ttl).
         return _error_response(InvalidInput(f"malformed request: {exc}"))
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
     try:
-        body = await request.json()
+        body = json.loads(await _body(request))  # _body: size limits and truncation
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"request body is not JSON: {exc}") from exc
+    except RecursionError:
+        raise InvalidInput("request body is not JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidInput("request body must be a JSON object")
     return body
@@ -157,12 +160,20 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...],
     return v
 
 
+class TooLarge(InvalidInput):
+    """A request body over MAX_BODY: 413, with the same JSON error as any other refusal."""
+
+    http_status = 413
+
+
 async def _body(request: web.Request) -> bytes:
     if request.content_length is not None and request.content_length > MAX_BODY:
-        raise InvalidInput(f"request body over {MAX_BODY} bytes")
+        raise TooLarge(f"request body over {MAX_BODY} bytes")
     try:
         data = await request.read()
-    except asyncio.IncompleteReadError as exc:
+    except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past client_max_size
+        raise TooLarge(f"request body over {MAX_BODY} bytes") from None
+    except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
         raise InvalidInput("request body truncated") from exc
     if request.content_length is not None and len(data) != request.content_length:
         raise InvalidInput("request body truncated")
@@ -373,7 +384,7 @@ async def lease(request: web.Request) -> web.Response:
     store = state.need_store()
     if action == "acquire":
         ttl = float(_field(body, "ttl", (int, float)))
-        holder = str(body.get("holder") or "")
+        holder = _field(body, "holder", str, optional=True) or ""
         got = await state.run(store.acquire_lease, volume, branch, ttl, holder)
     elif action == "renew":
         got = await state.run(store.renew_lease, volume, branch,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
 import secrets
 import threading
@@ -97,8 +98,8 @@ class TokenStore:
         check_volume(volume)
         if branch is not None:
             check_branch(branch)
-        if ttl is not None and ttl <= 0:
-            raise InvalidInput("token ttl must be positive")
+        if ttl is not None and not (0 < ttl < math.inf):  # NaN too: it would never expire
+            raise InvalidInput("token ttl must be a positive number of seconds")
         tid = secrets.token_hex(6)
         secret = secrets.token_urlsafe(32)
         now = time.time()

@@ -17,7 +17,21 @@ from typing import Any
 from strata.engine import errors
 from strata.engine.errors import InvalidInput, StrataError
 from strata.engine.interface import ChangeSet
-from strata.engine.objects import ID_LEN, KIND_NAMES, Entry, object_id, packb, unpackb
+from strata.engine.objects import (
+    BLOCK,
+    FILENODE,
+    ID_LEN,
+    KIND_NAMES,
+    SNAPSHOT,
+    TREE,
+    Entry,
+    FileNode,
+    Snapshot,
+    TreeNode,
+    object_id,
+    packb,
+    unpackb,
+)
 
 OBJ_HEAD = struct.Struct("<B32sI")
 MAX_BODY = 256 * 1024 * 1024
@@ -63,8 +77,53 @@ def decode_objects(body: bytes) -> list[tuple[int, bytes]]:
         pos += length
         if object_id(kind, raw) != oid:
             raise InvalidInput(f"object content does not match its id {oid.hex()}")
+        if kind != BLOCK:
+            _check_structure(kind, raw, oid)
         out.append((kind, raw))
     return out
+
+
+def _check_structure(kind: int, raw: bytes, oid: bytes) -> None:
+    """File nodes, tree nodes and snapshots must decode, so no branch can point at junk.
+
+    Types are checked before decoding: the decoders call bytes() on what
+    should be ids, and bytes(2**40) would allocate a terabyte.
+    """
+    def ok_id(x: Any) -> bool:
+        return isinstance(x, bytes) and len(x) == ID_LEN
+
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    try:
+        v = unpackb(raw)
+        if kind == FILENODE:
+            if not (isinstance(v, list) and len(v) == 4 and v[0] == 1 and is_int(v[1])
+                    and is_int(v[2]) and isinstance(v[3], list) and all(map(ok_id, v[3]))):
+                raise TypeError("malformed file node")
+            FileNode.decode(raw)
+        elif kind == TREE:
+            if not (isinstance(v, list) and len(v) == 2 and is_int(v[0])
+                    and isinstance(v[1], list)):
+                raise TypeError("malformed tree node")
+            for x in v[1]:
+                if not isinstance(x, list) or not x or not isinstance(x[0], bytes):
+                    raise TypeError("malformed tree node entry")
+                if v[0] == 0:
+                    _entry(x[1:])
+                elif not (len(x) == 3 and ok_id(x[1]) and is_int(x[2])):
+                    raise TypeError("malformed tree node child")
+            TreeNode.decode(raw)
+        elif kind == SNAPSHOT:
+            if not (isinstance(v, dict) and v.get("v") == 1 and is_int(v.get("time"))
+                    and isinstance(v.get("msg"), str) and isinstance(v.get("meta"), dict)
+                    and (v.get("parent") is None or isinstance(v.get("parent"), str))):
+                raise TypeError("malformed snapshot")
+            _entry(v.get("root"))
+            Snapshot.decode(raw)
+    except (TypeError, ValueError, KeyError, InvalidInput) as exc:
+        raise InvalidInput(f"object {oid.hex()} is not a valid {KIND_NAMES[kind]}: "
+                           f"{exc}") from None
 
 
 def encode_publish(changesets: Sequence[ChangeSet],

@@ -388,7 +388,7 @@ def test_multi_branch_publish_across_volumes_is_atomic(store: Store) -> None:
     t2.write("db.sqlite", b"mine")
     with pytest.raises(Conflict) as info:
         commit_all([t1, t2], "run 2")
-    assert info.value.paths == ["db.sqlite"]
+    assert info.value.paths == ["data:db.sqlite"]  # several volumes: paths name theirs
     assert store.head("code", "live") == s1
     assert store.head("data", "live") == other
     assert tree(store, "code", s1) == {"main.c": b"int main;"}

@@ -11,6 +11,7 @@ out in docs/design.md; keep the two in step.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import fcntl
 import json
@@ -28,6 +29,7 @@ from strata.engine import pack as packfmt
 from strata.engine.changes import rebase
 from strata.engine.errors import (
     AlreadyExists,
+    Conflict,
     Corrupt,
     Forbidden,
     InvalidInput,
@@ -277,6 +279,12 @@ class LocalStore(Store):
                 size = os.path.getsize(path)
                 self.recovery["truncated"].append(
                     {"pack": name, "offset": result.end, "bytes": size - result.end})
+                if packfmt.complete_frame_at(path, result.end):
+                    # A whole frame that fails its checksum is not an unfinished
+                    # append but damage: it is cut like a torn tail, and reported.
+                    self.recovery["damaged"].append(
+                        {"pack": name, "offset": result.end,
+                         "reason": "last record damaged (cut on open)"})
                 if os.stat(path).st_mode & 0o200 == 0:
                     os.chmod(path, 0o644)
                 with open(path, "r+b") as f:
@@ -441,6 +449,10 @@ class LocalStore(Store):
                 cur = self._pending_refs.get((vol, br))
                 if cur != old:
                     raise _CasMismatch(vol, br, old, cur)
+            created = {op[1] for op in ops if op[0] == "vol+"}
+            for op in ops:
+                if op[0] in ("ref", "lease") and op[1] not in self._pending_vols | created:
+                    raise NotFound(f"no volume {op[1]!r}")  # deleted under our feet
             payload = packb({"t": time.time_ns(), "ops": ops})
             frame = packfmt.encode_frame(packfmt.R_COMMIT, payload)
             number, offset = self._append_records_locked(frames, frame)
@@ -464,7 +476,9 @@ class LocalStore(Store):
             except StrataError:
                 continue
             except Exception as exc:  # keep serving reads; report through fsck
-                self.recovery.setdefault("indexer_errors", []).append(str(exc))
+                errs = self.recovery.setdefault("indexer_errors", [])
+                errs.append(str(exc))
+                del errs[:-10]
 
     def _maybe_seal_by_age(self) -> None:
         _fd, _n, offset, born = self._tail
@@ -822,6 +836,7 @@ class LocalStore(Store):
             new_objects: list[tuple[int, bytes]] = []
             ops: list[list[Any]] = []
             expect: list[tuple[str, str, str | None]] = []
+            conflicts: list[str] = []
             for cs in changesets:
                 head = self._pending_refs.get((cs.volume, cs.branch))
                 if head is None:
@@ -839,7 +854,15 @@ class LocalStore(Store):
                                           retry_after=min(max(wait, 0.1), 5.0))
                 base_root = self.snapshot(cs.base).root
                 head_root = base_root if head == cs.base else self.snapshot(head).root
-                root = rebase(trees, base_root, head_root, cs.changes)
+                try:
+                    root = rebase(trees, base_root, head_root, cs.changes)
+                except Conflict as exc:
+                    # Keep checking the other branches: the caller hears every path.
+                    label = f"{cs.volume}:" if len(changesets) > 1 else ""
+                    conflicts += [label + p for p in exc.paths]
+                    continue
+                if conflicts:
+                    continue
                 if root == head_root:
                     results.append(head)
                     continue
@@ -850,6 +873,8 @@ class LocalStore(Store):
                 ops.append(["ref", cs.volume, cs.branch, head, sid])
                 expect.append((cs.volume, cs.branch, head))
                 results.append(sid)
+            if conflicts:
+                raise Conflict(conflicts)
             if ops:
                 _ids, frames = self._frame_objects(
                     [(TREE, raw) for raw in trees.new.values()] + new_objects)
@@ -903,14 +928,30 @@ class LocalStore(Store):
     def fsck(self) -> dict[str, Any]:
         """Verify every record of every pack, the index, and every branch's tree."""
         self.sync_index()
+        with self._append_lock:  # a consistent cut: the packs up to here, refs as of here
+            _fd, limit_pack, limit_off, _b = self._tail
+            refs_then = dict(self._pending_refs)
+            vols_then = set(self._pending_vols)
         report: dict[str, Any] = {"packs": 0, "records": 0, "objects": 0, "damaged": [],
-                                  "missing": [], "index_mismatch": 0, "unreachable_refs": []}
+                                  "missing": [], "index_mismatch": 0, "unreachable_refs": [],
+                                  "index_lacks": 0, "refs_mismatch": []}
         located: dict[bytes, Loc] = {}
+        replayed_vols: set[str] = set()
+        replayed_refs: dict[tuple[str, str], str] = {}
         for number in self._pack_numbers():
+            if number > limit_pack:
+                break
             name = packfmt.pack_name(number)
             path = self._pack_path(number)
             report["packs"] += 1
             result = packfmt.scan(path)
+            if number == limit_pack:
+                result.records = [r for r in result.records if r.offset < limit_off]
+            for rec in result.records:
+                if rec.rtype == packfmt.R_COMMIT:
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        for op in unpackb(rec.payload)["ops"]:
+                            _apply_op(op, replayed_vols, replayed_refs)
             for off, reason in result.damaged:
                 report["damaged"].append({"pack": name, "offset": off, "reason": reason})
             if result.torn and number != self._tail[1]:
@@ -932,13 +973,27 @@ class LocalStore(Store):
                     continue
                 report["objects"] += 1
                 located.setdefault(oid, (number, rec.offset, rec.length, kind))
+        indexed = 0
         for oid, loc in self.index.iter_objects():
+            indexed += 1
             if located.get(oid) != loc:
                 report["index_mismatch"] += 1
+        for oid in located:
+            if self._locate(oid) is None:
+                report["index_lacks"] += 1  # in a pack, unknown to the index
+        # The refs the journal says, against the refs the store serves.
+        for key in sorted(replayed_refs.keys() | refs_then.keys()):
+            if replayed_refs.get(key) != refs_then.get(key):
+                report["refs_mismatch"].append({"branch": f"{key[0]}@{key[1]}",
+                                                "journal": replayed_refs.get(key),
+                                                "served": refs_then.get(key)})
+        if replayed_vols != vols_then:
+            report["refs_mismatch"].append({"volumes": sorted(replayed_vols ^ vols_then)})
         seen: set[bytes] = set()
         for (vol, br), sid in sorted(self._refs.items()):
             self._check_reachable(bytes.fromhex(sid), located, seen, report, f"{vol}@{br}")
-        report["ok"] = not (report["damaged"] or report["missing"] or report["index_mismatch"])
+        report["ok"] = not (report["damaged"] or report["missing"] or report["index_mismatch"]
+                            or report["index_lacks"] or report["refs_mismatch"])
         recovery = {k: v for k, v in self.recovery.items() if v}
         if recovery:
             report["recovery"] = recovery

@@ -240,6 +240,18 @@ def _resync(data: mmap.mmap, pos: int, name: str) -> int | None:
             pos += 1
 
 
+def complete_frame_at(path: str, offset: int) -> bool:
+    """True if a frame header at `offset` claims a length that fits in the file."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(offset)
+        head = f.read(FRAME_SIZE)
+    if len(head) < FRAME_SIZE:
+        return False
+    magic, _t, _f, length, _c = FRAME.unpack(head)
+    return bool(magic == FRAME_MAGIC and offset + FRAME_SIZE + length == size)
+
+
 def iter_objects(rec: Record, pack: str) -> Iterator[tuple[int, bytes]]:
     """Yield (kind, id) of an object record without decompressing it."""
     if len(rec.payload) < OBJ_HEAD_SIZE:

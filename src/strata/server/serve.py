@@ -25,6 +25,7 @@ from strata.engine.errors import InvalidInput, StrataError, Unavailable
 from strata.engine.local import LocalStore, StoreConfig, read_store_meta
 from strata.server.app import ServerState, make_app
 from strata.server.client import _UnixConnection, default_socket, is_serving
+from strata.server.tokens import TokenStore
 
 
 @dataclass
@@ -138,6 +139,9 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     except BaseException:
         await _close_listeners(runner, listeners)
         raise
+    # Read the tokens again: the previous owner may have created or revoked some
+    # since we started (a revocation must not come back to life).
+    state.tokens = TokenStore(store_dir)
     publish_sockets()  # without --takeover only once the store's lock is ours
     state.mode = "serving"
     if old is not None:

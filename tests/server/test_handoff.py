@@ -284,3 +284,31 @@ def test_handoff_under_load_over_tcp(tmp_path: Path, store: Path) -> None:
     gaps = _gaps(servers)
     print(f"\nTCP handoff gaps reported by the new owners: {gaps} ms; clients: {done}")
     _verify(store, acked)
+
+
+def test_handoff_waits_for_a_running_fsck(tmp_path: Path, store: Path) -> None:
+    # fsck reads every pack through the open store: a handoff must drain it like
+    # any other request, not close the store under it ("store is closed").
+    with LocalStore(str(store)) as s:
+        t = Transaction(s, "v")
+        for i in range(20_000):
+            t.write(f"f{i}", os.urandom(4200))  # a block and a file node each
+        t.commit()
+    first = Server(store, tmp_path / "serve0.log")
+    servers = [first]
+    try:
+        first.wait_ready()
+        fsck = subprocess.Popen([PY, "-m", "strata", "--store", str(store), "fsck"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=_env())
+        time.sleep(0.3)  # fsck is under way (it takes a few seconds here)
+        servers.append(Server(store, tmp_path / "serve1.log", "--takeover"))
+        out, _ = fsck.communicate(timeout=60)
+        assert fsck.returncode == 0 and out.startswith("ok:"), out
+        assert first.wait_exit() == 0, first.text()
+        servers[1].wait_ready()
+        assert _strata(store, "serve", "--stop").returncode == 0
+        assert servers[1].wait_exit() == 0
+    finally:
+        for srv in servers:
+            srv.kill()

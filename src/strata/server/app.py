@@ -113,7 +113,10 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
             if not auth.startswith("Bearer "):
                 raise Unauthenticated("missing bearer token")
             request["scope"] = state.tokens.verify(auth[7:].strip())
-        if request.path.startswith("/v1/") and not request.path.startswith("/v1/admin/"):
+        # Requests that use the store are drained before a handoff or stop closes it;
+        # fsck too (it reads every pack). Handoff and stop themselves must not count.
+        if request.path.startswith("/v1/") and (not request.path.startswith("/v1/admin/")
+                                                or request.path == "/v1/admin/fsck"):
             state.need_store()
             state.inflight += 1
             state.idle.clear()

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from bench import engine, server
+from bench import engine, mount, server
 from bench.report import print_table
 
 
@@ -18,14 +18,25 @@ def main() -> None:
                     help="directory on the local disk to run in")
     ap.add_argument("--out", default="bench/results/engine.json")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    ap.add_argument("--only", default="engine,server,mount",
+                    help="comma-separated groups to run (engine, server, mount)")
     args = ap.parse_args()
-    rows = engine.run(args.dir, quick=args.quick)
-    rows += server.run(args.dir, quick=args.quick)
-    print_table("strata engine and server benchmarks (local disk baseline from the same run)",
-                rows)
+    groups = set(args.only.split(","))
+    rows = []
+    if "engine" in groups:
+        rows += engine.run(args.dir, quick=args.quick)
+    if "server" in groups:
+        rows += server.run(args.dir, quick=args.quick)
+    if rows:
+        print_table("strata engine and server benchmarks (local disk baseline from the same "
+                    "run)", rows)
+    mount_rows = mount.run(args.dir, quick=args.quick) if "mount" in groups else []
+    if mount_rows:
+        print_table("strata mount benchmarks (the same work on the local disk in the same run)",
+                    mount_rows)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(rows, f, indent=2)
+        json.dump(rows + mount_rows, f, indent=2)
     print(f"results written to {args.out}", file=sys.stderr)
 
 

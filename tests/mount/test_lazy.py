@@ -162,3 +162,32 @@ def test_commit_of_one_changed_block_uploads_about_one_block(menv: MountEnv,
     res = _commit_json(menv, m)
     assert int(res["uploaded_bytes"]) <= 40 * 1024, res  # type: ignore[call-overload]
     menv.unmount(m)
+
+
+def test_a_damaged_cache_file_is_fetched_again(menv: MountEnv, tmp_path: Path) -> None:
+    menv.run("volume", "create", "c")
+    src = tmp_path / "c"
+    src.mkdir()
+    data = os.urandom(300_000)
+    (src / "f").write_bytes(data)
+    menv.run("import", "c", str(src))
+    rs = _remote(menv)
+    m = menv.mount("c")
+    assert (m / "f").read_bytes() == data
+    menv.unmount(m)
+    # Flip one byte in every cached object: a bad disk, a torn write.
+    cache = tmp_path / "cache" / "strata" / "objects"
+    damaged = 0
+    for p in cache.rglob("*"):
+        if p.is_file() and p.stat().st_size > 0:
+            raw = bytearray(p.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            p.write_bytes(bytes(raw))
+            damaged += 1
+    assert damaged >= 5
+    before = _served(rs)
+    m = menv.mount("c", "again")
+    assert (m / "f").read_bytes() == data
+    assert _served(rs)[0] - before[0] >= 5  # the damaged copies were fetched again
+    menv.unmount(m)
+    rs.close()

@@ -3,14 +3,17 @@
 `start` runs in the foreground until the view is unmounted, or (background)
 forks a detached process and returns once the mount is ready or has failed.
 With `watch_pid`, the mount process tears itself down, discarding the upper
-directories, as soon as that process is gone: a step runner that dies
-publishes nothing and leaves no scratch behind.
+directories, as soon as that process is gone (first killing the process group
+the owner recorded as `pgid` in the state's `extra`, the processes using the
+mount): a step runner that dies publishes nothing and leaves no scratch behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -18,6 +21,11 @@ import time
 from strata.engine.errors import StrataError
 from strata.mount.session import MountState, mount_overlays, teardown
 from strata.server.client import RemoteStore
+
+# Set by the watcher when it starts discarding, and when it is done: unmounting the
+# FUSE view ends the main loop, which must not exit the process half-way through.
+_discarding = threading.Event()
+_discarded = threading.Event()
 
 
 def start(state: MountState, *, background: bool, watch_pid: int | None = None,
@@ -64,6 +72,9 @@ def start(state: MountState, *, background: bool, watch_pid: int | None = None,
         if background:
             os._exit(1)
         return str(exc)
+    if state.extra.get("keepalive"):
+        threading.Thread(target=_keep_alive, args=(store, float(state.extra["keepalive"])),
+                         daemon=True).start()
 
     def overlay_up() -> None:
         try:
@@ -88,9 +99,19 @@ def start(state: MountState, *, background: bool, watch_pid: int | None = None,
         fuse.run(fs, state.lower, fsname=f"strata:{state.volumes[0].volume}", on_ready=ready)
     except KeyboardInterrupt:
         pass
+    if _discarding.is_set():
+        _discarded.wait(30)
     if background:
         os._exit(0)
     return None
+
+
+def _keep_alive(store: RemoteStore, every: float) -> None:
+    """Keep a server that exits when idle serving while this mount may read through it."""
+    while True:
+        time.sleep(every)
+        with contextlib.suppress(StrataError):
+            store.whoami()
 
 
 def _watch(pid: int, state: MountState) -> None:
@@ -102,8 +123,28 @@ def _watch(pid: int, state: MountState) -> None:
             break
         except PermissionError:
             continue
+        if _zombie(pid):
+            break  # dead, only not reaped yet by its parent
         if not os.path.isdir(state.scratch):
             return  # torn down by its owner
-    # Our owner died without tearing us down: discard everything.
-    with contextlib.suppress(Exception):
-        teardown(state, lazy=True)
+    # Our owner died without tearing us down: stop the processes it said use the
+    # mount (state.json "pgid", a process group), then discard everything.
+    _discarding.set()
+    try:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            with open(os.path.join(state.scratch, "state.json")) as f:
+                pgid = int(json.load(f).get("extra", {}).get("pgid", 0))
+            if pgid > 1:
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            teardown(state, lazy=True)
+    finally:
+        _discarded.set()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False

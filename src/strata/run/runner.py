@@ -116,9 +116,6 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
     run_id = uuid.uuid4().hex[:12]
     result = StepResult(run_id, 0)
     leases = _Leases(store)
-    workdir = os.path.join(scratch_root(), f"run-{run_id}")
-    storage = os.path.join(workdir, "storage")
-    os.makedirs(storage, mode=0o755)
     state: MountState | None = None
     try:
         vols = []
@@ -133,20 +130,35 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
             vols.append(VolumeState(spec.name, spec.volume, branch, head, head,
                                     readonly=not spec.writable))
         leases.start()
-        state = new_state(storage, store.url, vols, single=False)
-        state.extra["token"] = store.token
-        state.extra["run"] = run_id
-        state.save()
-        error = start(state, background=True, watch_pid=os.getpid())
+        # Everything of the step lives in the mount's scratch directory (the volume
+        # directory, the OCI bundle, runsc's state), so the mount process's teardown
+        # removes it all when this runner dies.
+        state = st = new_state(os.path.join(scratch_root(), "_"), store.url, vols,
+                               single=False)
+        storage = os.path.join(st.scratch, "storage")
+        os.mkdir(storage, 0o755)
+        st.mountpoint = storage
+        st.extra["token"] = store.token
+        st.extra["run"] = run_id
+        st.save()
+        error = start(st, background=True, watch_pid=os.getpid())
         if error is not None:
             raise StrataError(f"could not mount the step's volumes: {error}")
-        cmd, env = build_command(sandbox, argv, storage, network=network, workdir=workdir,
-                                 run_id=run_id, memory=memory)
+        cmd, env = build_command(sandbox, argv, storage, network=network,
+                                 workdir=state.scratch, run_id=run_id, memory=memory)
         result.timings["start"] = time.monotonic() - t0
         t1 = time.monotonic()
+
+        def started(pgid: int) -> None:
+            # The mount process kills this group if the runner dies before it ends.
+            st.extra["pgid"] = pgid
+            st.save()
+
         outcome = run_command(cmd, env, cwd=storage, timeout=timeout, memory=memory,
-                              cgroup_name=f"strata-{run_id}")
+                              cgroup_name=f"strata-{run_id}", on_start=started)
         t2 = time.monotonic()
+        state.extra.pop("pgid", None)
+        state.save()
         result.timings["command"] = t2 - t1
         result.status, result.timed_out, result.oom = (outcome.status, outcome.timed_out,
                                                        outcome.oom)
@@ -163,7 +175,8 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
             with contextlib.suppress(Exception):
                 teardown(state, lazy=True)
         leases.release()
-        shutil.rmtree(workdir, ignore_errors=True)
+        if state is not None:
+            shutil.rmtree(state.scratch, ignore_errors=True)
 
 
 def _publish(store: Store, state: MountState, result: StepResult, argv: list[str],

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from strata.engine.errors import InvalidInput
@@ -166,12 +167,19 @@ def _oci_config(argv: list[str], env: dict[str, str], storage: str, *, network: 
 
 
 def run_command(cmd: list[str], env: dict[str, str], *, cwd: str, timeout: float | None,
-                memory: int | None, cgroup_name: str) -> Outcome:
-    """Run to completion in its own process group; kill it all at the deadline."""
+                memory: int | None, cgroup_name: str,
+                on_start: Callable[[int], None] | None = None) -> Outcome:
+    """Run to completion in its own process group; kill it all at the deadline.
+
+    `on_start` gets the process group id as soon as the command is started.
+    """
     cg = MemoryCgroup(memory, cgroup_name) if memory else None
+    prctl = _prctl()
 
     def preexec() -> None:
         os.setpgrp()
+        if prctl is not None:
+            prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the runner
         if cg is not None and cg.path is not None:
             with open(cg.procs_file, "w") as f:
                 f.write(str(os.getpid()))
@@ -181,6 +189,8 @@ def run_command(cmd: list[str], env: dict[str, str], *, cwd: str, timeout: float
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, preexec_fn=preexec)
     timed_out = False
     try:
+        if on_start is not None:
+            on_start(proc.pid)
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
@@ -199,3 +209,12 @@ def run_command(cmd: list[str], env: dict[str, str], *, cwd: str, timeout: float
     rc = proc.returncode
     status = 128 - rc if rc < 0 else rc
     return Outcome(status, timed_out, oom)
+
+
+def _prctl() -> Callable[..., int] | None:
+    """The C library's prctl, loaded before forking (no imports between fork and exec)."""
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None

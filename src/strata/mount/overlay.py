@@ -128,7 +128,16 @@ def _user_xattrs(path: str) -> tuple[tuple[bytes, bytes], ...]:
 
 
 class UpperScanner:
-    """Reads an overlay upper directory against the lower snapshot's tree."""
+    """Reads an overlay upper directory against the lower snapshot's tree.
+
+    Hard links: names linked inside the mount share an upper inode and are
+    published as one link group. A link group from the snapshot that the
+    mount split (overlayfs with index=off copies up one name on its own, and
+    an unlink leaves the other names in the lower layer) is published with
+    the count of the names that are left, so the new snapshot's groups are
+    consistent; finding those names walks the pinned tree, which happens only
+    when a commit touches a linked file from the snapshot.
+    """
 
     def __init__(self, trees: Trees, lower_root: Entry, block_size: int) -> None:
         self.trees = trees
@@ -138,7 +147,9 @@ class UpperScanner:
     def scan(self, upper: str) -> Scan:
         out = Scan()
         links: dict[int, list[str]] = {}
-        self._walk(upper, "", self.lower_root, out, links)
+        touched: set[int] = set()  # link groups of the snapshot the upper layer changed
+        redirects: list[tuple[str, tuple[str, ...]]] = []  # (path, lower source)
+        self._walk(upper, "", self.lower_root, (), out, links, touched, redirects)
         for paths in links.values():  # hard links made inside the mount
             if len(paths) > 1:
                 digest = object_id(0, "\0".join(sorted(paths)).encode("utf-8", "surrogateescape"))
@@ -147,36 +158,62 @@ class UpperScanner:
                     e = out.changes.get(p)
                     if e is not None:
                         out.changes[p] = e.with_(ino=group, nlink=len(paths))
+        if touched:
+            self._split_groups(out, touched, redirects)
         return out
+
+    def _split_groups(self, out: Scan, touched: set[int],
+                      redirects: list[tuple[str, tuple[str, ...]]]) -> None:
+        """Give the names left of each touched snapshot link group their new count."""
+        members: dict[int, list[tuple[str, Entry]]] = {}
+        for path, e in self.trees.walk(self.lower_root):
+            if e.kind == K_FILE and e.ino in touched:
+                members.setdefault(e.ino, []).append((path, e))
+        for group in members.values():
+            left = [(p, e) for lp, e in group for p in _final_paths(lp, out.changes, redirects)]
+            for p, e in left:
+                new = e.with_(nlink=len(left), ino=e.ino if len(left) > 1 else 0)
+                if new != e:
+                    out.changes[p] = new
 
     def _lower_child(self, lower_dir: Entry | None, name: str) -> Entry | None:
         if lower_dir is None or lower_dir.kind != K_DIR or lower_dir.ref is None:
             return None
         return self.trees.lookup(lower_dir.ref, encode_name(name))
 
-    def _walk(self, real: str, prefix: str, lower_dir: Entry | None, out: Scan,
-              links: dict[int, list[str]]) -> None:
+    def _walk(self, real: str, prefix: str, lower_dir: Entry | None,
+              lower_parts: tuple[str, ...] | None, out: Scan, links: dict[int, list[str]],
+              touched: set[int], redirects: list[tuple[str, tuple[str, ...]]]) -> None:
         with os.scandir(real) as it:
             items = sorted(it, key=lambda d: d.name)
         for d in items:
             path = f"{prefix}/{d.name}" if prefix else d.name
             st = d.stat(follow_symlinks=False)
             lower = self._lower_child(lower_dir, d.name)
+            if lower is not None and lower.kind == K_FILE and lower.ino:
+                touched.add(lower.ino)
             if _is_whiteout(st):
                 if lower is not None:
                     out.changes[path] = None
                 continue
             if statmod.S_ISDIR(st.st_mode):
-                self._dir(d.path, path, st, lower, out, links)
+                child_parts = None if lower_parts is None else (*lower_parts, d.name)
+                self._dir(d.path, path, st, lower, lower_parts, child_parts, out, links,
+                          touched, redirects)
                 continue
-            entry = self._leaf(d.path, st, lower, out)
+            linked = statmod.S_ISREG(st.st_mode) and st.st_nlink > 1
+            # A linked name is published even when it equals the lower file: every
+            # name of the group must carry the group's inode and count.
+            entry = self._leaf(d.path, st, lower, out, keep=linked)
             if entry is not None:
                 out.changes[path] = entry
-            if statmod.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            if linked:
                 links.setdefault(st.st_ino, []).append(path)
 
-    def _dir(self, real: str, path: str, st: os.stat_result, lower: Entry | None, out: Scan,
-             links: dict[int, list[str]]) -> None:
+    def _dir(self, real: str, path: str, st: os.stat_result, lower: Entry | None,
+             lower_parent_parts: tuple[str, ...] | None, lower_parts: tuple[str, ...] | None,
+             out: Scan, links: dict[int, list[str]],
+             touched: set[int], redirects: list[tuple[str, tuple[str, ...]]]) -> None:
         attrs = dict(mode=statmod.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
                      mtime_ns=st.st_mtime_ns, xattrs=_user_xattrs(real))
         opaque = _xattr(real, OPAQUE) == b"y"
@@ -185,13 +222,20 @@ class UpperScanner:
             target = redirect.decode("utf-8", "surrogateescape")
             if target.startswith("/"):
                 parts = tuple(p for p in target.split("/") if p)
+            elif lower_parent_parts is not None:
+                # A relative redirect names an entry of the parent's lower directory,
+                # which is itself elsewhere when the parent was renamed too.
+                parts = (*lower_parent_parts, target)
             else:
                 parts = (*[p for p in path.split("/")[:-1] if p], target)
             src = self.trees.resolve(self.lower_root, parts)
-            base_ref = src.ref if src is not None and src.kind == K_DIR else EMPTY_TREE_ID
+            src_dir = src if src is not None and src.kind == K_DIR else None
+            base_ref = src_dir.ref if src_dir is not None else EMPTY_TREE_ID
             out.changes[path] = Entry(kind=K_DIR, ref=base_ref, **attrs)  # type: ignore[arg-type]
-            self._walk(real, path, src if src is not None and src.kind == K_DIR else None, out,
-                       links)
+            if src_dir is not None:
+                redirects.append((path, parts))
+            self._walk(real, path, src_dir, parts if src_dir is not None else None, out, links,
+                       touched, redirects)
             return
         if opaque or lower is None or lower.kind != K_DIR:
             if lower is not None and lower.kind == K_DIR:
@@ -200,15 +244,15 @@ class UpperScanner:
                 out.changes[path] = Entry(kind=K_DIR, ref=EMPTY_TREE_ID, **attrs)  # type: ignore[arg-type]
             else:
                 out.changes[path] = Entry(kind=K_DIR, **attrs)  # type: ignore[arg-type]
-            self._walk(real, path, None, out, links)
+            self._walk(real, path, None, None, out, links, touched, redirects)
             return
         mine = Entry(kind=K_DIR, **attrs)  # type: ignore[arg-type]
         if mine.attrs() != lower.attrs() or mine.mtime_ns != lower.mtime_ns:
             out.changes[path] = mine  # merge directory: attributes only
-        self._walk(real, path, lower, out, links)
+        self._walk(real, path, lower, lower_parts, out, links, touched, redirects)
 
-    def _leaf(self, real: str, st: os.stat_result, lower: Entry | None, out: Scan
-              ) -> Entry | None:
+    def _leaf(self, real: str, st: os.stat_result, lower: Entry | None, out: Scan,
+              keep: bool = False) -> Entry | None:
         mode = st.st_mode
         base = dict(mode=statmod.S_IMODE(mode), uid=st.st_uid, gid=st.st_gid,
                     mtime_ns=st.st_mtime_ns, xattrs=_user_xattrs(real))
@@ -225,10 +269,11 @@ class UpperScanner:
                          **base)  # type: ignore[arg-type]
         if not statmod.S_ISREG(mode):
             raise InvalidInput(f"unsupported file type at {real}")
-        return self._file(real, st, lower, base, out)
+        return self._file(real, st, lower, base, out, keep)
 
     def _file(self, real: str, st: os.stat_result, lower: Entry | None, base: dict[str, object],
-              out: Scan) -> Entry | None:
+              out: Scan, keep: bool = False) -> Entry | None:
+        """A file's entry (None when it equals `lower` and `keep` is not set)."""
         size = st.st_size
         out.files_hashed += 1
         out.bytes_hashed += size
@@ -236,18 +281,28 @@ class UpperScanner:
             with open(real, "rb") as f:
                 data = f.read()
             e = Entry(kind=K_FILE, size=len(data), data=data, **base)  # type: ignore[arg-type]
-            return None if _same_file(e, lower) else e
+            return None if _same_file(e, lower) and not keep else e
         bs = self.block_size
         blocks: list[bytes] = []
         new: dict[bytes, bytes] = {}
-        with open(real, "rb") as f:
-            for data in iter(lambda: f.read(bs), b""):
+        fd = os.open(real, os.O_RDONLY)
+        try:
+            # Holes are never read: a sparse 5 GiB file with a few bytes of data costs
+            # a few reads, not 5 GiB of zeros.
+            data_blocks = _data_blocks(fd, size, bs)
+            for i in range((size + bs - 1) // bs):
+                if data_blocks is not None and i not in data_blocks:
+                    blocks.append(ZERO_ID)
+                    continue
+                data = os.pread(fd, bs, i * bs)
                 if data == bytes(len(data)):
                     blocks.append(ZERO_ID)
                     continue
                 oid = object_id(BLOCK, data)
                 blocks.append(oid)
                 new[oid] = data
+        finally:
+            os.close(fd)
         lower_blocks: set[bytes] = set()
         if lower is not None and lower.kind == K_FILE and lower.ref is not None:
             with contextlib.suppress(StrataError, ValueError):
@@ -255,13 +310,60 @@ class UpperScanner:
         node = FileNode(size=size, block_size=bs, blocks=tuple(blocks)).encode()
         ref = object_id(FILENODE, node)
         e = Entry(kind=K_FILE, size=size, ref=ref, **base)  # type: ignore[arg-type]
-        if _same_file(e, lower):
+        if _same_file(e, lower) and not keep:
             return None
         for oid, data in new.items():
             if oid not in lower_blocks:
                 out.objects[oid] = (BLOCK, data)
         out.objects[ref] = (FILENODE, node)
         return e
+
+
+def _data_blocks(fd: int, size: int, bs: int) -> set[int] | None:
+    """Indexes of the blocks that hold data (None when the filesystem cannot tell)."""
+    out: set[int] = set()
+    off = 0
+    while off < size:
+        try:
+            start = os.lseek(fd, off, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                break  # only a hole from here to the end
+            return None
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        if end <= start:
+            break
+        out.update(range(start // bs, (end - 1) // bs + 1))
+        off = end
+    return out
+
+
+def _final_paths(lower_path: str, changes: dict[str, Entry | None],
+                 redirects: list[tuple[str, tuple[str, ...]]]) -> list[str]:
+    """Where a lower entry that the upper layer did not replace is seen after the scan.
+
+    At its own path unless it, or a directory above it, was deleted, replaced or
+    made opaque; and below every directory redirected from one of its ancestors.
+    """
+    parts = lower_path.split("/")
+    out = []
+    for new, src in [("", ()), *redirects]:
+        if len(parts) <= len(src) or tuple(parts[:len(src)]) != src:
+            continue
+        base = new.split("/") if new else []
+        rest = parts[len(src):]
+        for i in range(1, len(rest) + 1):
+            c = changes.get("/".join(base + rest[:i]), _ABSENT)
+            if c is _ABSENT:
+                continue
+            if i == len(rest) or c is None or c.kind != K_DIR or c.ref is not None:
+                break  # replaced, deleted, or a directory whose contents come from elsewhere
+        else:
+            out.append("/".join(base + rest))
+    return out
+
+
+_ABSENT = Entry(kind=K_FIFO)
 
 
 def _same_file(e: Entry, lower: Entry | None) -> bool:

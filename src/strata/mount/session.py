@@ -314,11 +314,20 @@ def teardown(state: MountState, *, lazy: bool = False) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """True while `pid` runs; an exited process not yet reaped counts as gone.
+
+    The mount process is detached, so whoever adopts it reaps it, and some init
+    processes take a second or more: waiting for the reap doubled every unmount.
+    """
     try:
         os.kill(pid, 0)
     except OSError:
         return False
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 __all__ = ["MountState", "VolumeState", "commit", "status", "teardown", "find_mount",

@@ -9,7 +9,15 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from strata.cli.common import open_remote, parse_ref, print_json, server_url, short
+from strata.cli.common import (
+    ensure_server,
+    open_remote,
+    parse_ref,
+    print_json,
+    server_url,
+    short,
+    store_path,
+)
 from strata.engine.errors import InvalidInput
 from strata.engine.interface import Store
 from strata.server.client import RemoteStore
@@ -51,9 +59,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def _store_for(args: argparse.Namespace, server: str | None, token: str | None
-               ) -> Iterator[Store]:
+def _store_for(args: argparse.Namespace, state: Any) -> Iterator[Store]:
+    """The store of a mount: the server it was made with.
+
+    The local store's own server is started again if it has exited idle.
+    """
+    server, token = state.server, state.extra.get("token")
     if server is not None and server_url(args) is None:
+        if state.extra.get("store"):
+            ensure_server(state.extra["store"])
         store = RemoteStore(server, token)
         try:
             yield store
@@ -96,6 +110,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
         url, token = store.url, store.token
     state = new_state(target, url, vols, single=single)
     state.extra["token"] = token
+    if server_url(args) is None:
+        # The local store's own server exits when idle, but the mount reads through
+        # it for its whole life: the mount process keeps it busy, and commit,
+        # status and unmount start it again if it is gone.
+        state.extra["store"] = store_path(args)
+        idle = float(os.environ.get("STRATA_SERVER_IDLE_EXIT", "300"))
+        state.extra["keepalive"] = max(min(idle / 3, 60.0), 0.5)
     state.save()
     return serve_mount(state, background=args.background)
 
@@ -120,7 +141,7 @@ def _state(args: argparse.Namespace) -> Any:
 def cmd_commit(args: argparse.Namespace) -> int:
     from strata.mount.session import commit
     state = _state(args)
-    with _store_for(args, state.server, state.extra.get("token")) as store:
+    with _store_for(args, state) as store:
         result = commit(store, state, message=args.message, names=args.volumes)
     if args.json:
         print_json({"published": result.published, "changed": result.changed_paths,
@@ -134,7 +155,7 @@ def cmd_commit(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from strata.mount.session import status
     state = _state(args)
-    with _store_for(args, state.server, state.extra.get("token")) as store:
+    with _store_for(args, state) as store:
         report = status(store, state)
     if args.json:
         print_json(report if not state.single else next(iter(report.values())))
@@ -156,7 +177,7 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     from strata.mount.session import has_uncommitted, teardown
     state = _state(args)
     if not args.discard:
-        with _store_for(args, state.server, state.extra.get("token")) as store:
+        with _store_for(args, state) as store:
             if has_uncommitted(store, state):
                 raise InvalidInput(f"{args.dir} has uncommitted changes: 'strata commit' "
                                    "them, or unmount with --discard")

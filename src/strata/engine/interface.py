@@ -85,6 +85,10 @@ class Store(ABC):
     def get_object(self, oid: bytes) -> bytes:
         """The raw bytes of an object; `NotFound` if absent, `Corrupt` if damaged."""
 
+    def get_objects(self, ids: Sequence[bytes]) -> list[bytes]:
+        """Several objects at once (one round trip for a remote store)."""
+        return [self.get_object(oid) for oid in ids]
+
     def get_range(self, oid: bytes, offset: int, length: int) -> bytes:
         """A byte range of an object (whole-object fetch unless overridden)."""
         return self.get_object(oid)[offset:offset + length]

@@ -139,8 +139,19 @@ class ContentWriter:
         node = FileNode.decode(self.get_object(e.ref))
         bs = node.block_size
         out = []
-        for i in range(offset // bs, (end - 1) // bs + 1):
-            blk = self.read_block(node.blocks[i], min(bs, node.size - i * bs))
+        span = range(offset // bs, (end - 1) // bs + 1)
+        wanted = [node.blocks[i] for i in span
+                  if node.blocks[i] != ZERO_ID and node.blocks[i] not in self.pending]
+        fetched = dict(zip(wanted, self.store.get_objects(wanted), strict=True)) if (
+            len(wanted) > 1) else {}
+        for i in span:
+            oid = node.blocks[i]
+            length = min(bs, node.size - i * bs)
+            if oid in fetched:
+                raw = fetched[oid]
+                blk = raw + bytes(length - len(raw)) if len(raw) < length else raw[:length]
+            else:
+                blk = self.read_block(oid, length)
             lo = max(offset - i * bs, 0)
             hi = min(end - i * bs, bs)
             out.append(blk[lo:hi])

@@ -83,6 +83,19 @@ class ContentCache:
         self._put(path, data)
         return data
 
+    def get_many(self, oids: list[bytes], fetch_many: Callable[[list[bytes]], list[bytes]],
+                 kinds: tuple[int, ...] = ()) -> None:
+        """Make sure the objects are cached, fetching the missing ones in one batch."""
+        todo = [o for o in dict.fromkeys(oids) if not os.path.exists(self._file(o))]
+        if not todo:
+            return
+        for oid, data in zip(todo, fetch_many(todo), strict=True):
+            if not _matches(oid, data, kinds):
+                raise Corrupt("remote", 0, f"object {oid.hex()} does not match its id")
+            self.misses += 1
+            self.fetched_bytes += len(data)
+            self._put(self._file(oid), data)
+
     def _put(self, path: str, data: bytes) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"

@@ -211,9 +211,8 @@ class SnapshotFS:
         if fnode is None:
             return
         src = self._sources[self._vol_of[ino]]
-        for b in fnode.blocks:
-            if b != ZERO_ID:
-                self.cache.get(b, src.store.get_object, (BLOCK,))
+        self.cache.get_many([b for b in fnode.blocks if b != ZERO_ID], src.store.get_objects,
+                            (BLOCK,))
 
     def read(self, ino: int, offset: int, size: int, fnode: FileNode | None = None) -> bytes:
         n = self.node(ino)

@@ -39,6 +39,7 @@ T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SCOPE_KEY = web.AppKey("scope_key", str)
 MAX_BODY = wire.MAX_BODY
+MAX_BATCH_GET = 1024  # ids per batch read (1024 blocks = 64 MiB at the default size)
 PREFETCH_MAX = 256 * 1024  # bytes of new tree nodes sent back with a publish
 
 
@@ -236,6 +237,23 @@ async def get_object(request: web.Request) -> web.Response:
                                                       f"{len(raw)}"})
     state.served["bytes_served"] += len(raw)
     return web.Response(body=raw, content_type="application/octet-stream")
+
+
+async def get_objects(request: web.Request) -> web.Response:
+    """Several objects in one answer: for each id, a u32 length and the raw bytes."""
+    state = request.app[STATE]
+    ids = wire.decode_ids(await _body(request))
+    if len(ids) > MAX_BATCH_GET:
+        raise InvalidInput(f"at most {MAX_BATCH_GET} ids per batch read")
+    store = state.need_store()
+
+    def read() -> list[bytes]:
+        return [store.get_object(oid) for oid in ids]
+
+    raws = await state.run(read)
+    state.served["objects_served"] += len(raws)
+    state.served["bytes_served"] += sum(len(r) for r in raws)
+    return web.Response(body=wire.encode_blobs(raws), content_type="application/octet-stream")
 
 
 def _oid(text: str) -> bytes:
@@ -483,6 +501,7 @@ def make_app(state: ServerState) -> web.Application:
     r.add_post("/v1/objects/missing", missing)
     r.add_post("/v1/objects", put_objects)
     r.add_get("/v1/objects/{oid}", get_object)
+    r.add_post("/v1/objects/get", get_objects)
     r.add_get("/v1/volumes", list_volumes)
     r.add_post("/v1/volumes", create_volume)
     r.add_delete("/v1/volumes/{volume}", delete_volume)

@@ -197,6 +197,15 @@ class RemoteStore(Store):
         _s, _h, data = self.request("GET", f"/v1/objects/{oid.hex()}")
         return data
 
+    def get_objects(self, ids: Sequence[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        for start in range(0, len(ids), 1024):
+            chunk = ids[start:start + 1024]
+            _s, _h, data = self.request("POST", "/v1/objects/get", wire.encode_ids(chunk),
+                                        "application/octet-stream")
+            out += wire.decode_blobs(data, len(chunk))
+        return out
+
     def get_range(self, oid: bytes, offset: int, length: int) -> bytes:
         if length <= 0:
             return b""

@@ -80,6 +80,15 @@ OPENAPI: dict[str, Any] = {
                                "the whole batch is refused if any id does not match"},
             "responses": {**_ok(_obj({"stored": {"type": "integer"}}, ["stored"])),
                           **_err(400, 401, 403, 413, 503)}}},
+        "/v1/objects/get": {"post": {
+            "summary": "read several objects at once (at most 1024)",
+            "requestBody": {"required": True, "content": {"application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"}}},
+                "description": "concatenated 32-byte ids"},
+            "responses": {"200": {"description": "for each id in order: length u32 LE, bytes",
+                                  "content": {"application/octet-stream": {
+                                      "schema": {"type": "string", "format": "binary"}}}},
+                          **_err(400, 401, 404, 413, 503)}}},
         "/v1/objects/{oid}": {"get": {
             "summary": "read an object, optionally a byte range (Range: bytes=a-b)",
             "parameters": [{"name": "oid", "in": "path", "required": True, "schema": HEX64},

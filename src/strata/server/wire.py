@@ -50,6 +50,33 @@ def decode_ids(body: bytes) -> list[bytes]:
     return [body[i:i + ID_LEN] for i in range(0, len(body), ID_LEN)]
 
 
+BLOB_LEN = struct.Struct("<I")
+
+
+def encode_blobs(blobs: Sequence[bytes]) -> bytes:
+    """A batch read's answer: each object's length (u32 LE) then its bytes."""
+    out = []
+    for b in blobs:
+        out.append(BLOB_LEN.pack(len(b)))
+        out.append(b)
+    return b"".join(out)
+
+
+def decode_blobs(body: bytes, count: int) -> list[bytes]:
+    out = []
+    pos = 0
+    for _ in range(count):
+        if pos + BLOB_LEN.size > len(body):
+            raise InvalidInput("batch read answer truncated")
+        (n,) = BLOB_LEN.unpack_from(body, pos)
+        pos += BLOB_LEN.size
+        if pos + n > len(body):
+            raise InvalidInput("batch read answer truncated")
+        out.append(body[pos:pos + n])
+        pos += n
+    return out
+
+
 def encode_objects(objects: Sequence[tuple[int, bytes]]) -> bytes:
     out = []
     for kind, raw in objects:

@@ -86,9 +86,14 @@ class Operations(pyfuse3.Operations):
 
     async def opendir(self, inode: int, ctx: Any) -> int:
         listing = await _call(self.fs.listdir, inode)
+        # "." and ".." come first, as from a disk filesystem: overlayfs passes a
+        # directory that only the snapshot has straight through, and programs count
+        # on them (`ls -a`, "empty if it has two entries" checks).
+        node = _fast(self.fs.node, inode)
+        dots = [(b".", node), (b"..", _fast(self.fs.node, node.parent))]
         fh = self._next_fh
         self._next_fh += 1
-        self._dirs[fh] = listing
+        self._dirs[fh] = dots + listing
         return fh
 
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:

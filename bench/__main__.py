@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from bench import engine, mount, server
+from bench import engine, mount, server, steps
 from bench.report import print_table
 
 
@@ -18,8 +18,8 @@ def main() -> None:
                     help="directory on the local disk to run in")
     ap.add_argument("--out", default="bench/results/engine.json")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
-    ap.add_argument("--only", default="engine,server,mount",
-                    help="comma-separated groups to run (engine, server, mount)")
+    ap.add_argument("--only", default="engine,server,mount,steps",
+                    help="comma-separated groups to run (engine, server, mount, steps)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -34,9 +34,13 @@ def main() -> None:
     if mount_rows:
         print_table("strata mount benchmarks (the same work on the local disk in the same run)",
                     mount_rows)
+    step_rows = steps.run(args.dir, quick=args.quick) if "steps" in groups else []
+    if step_rows:
+        print_table("strata step benchmarks (the same command without strata in the same run)",
+                    step_rows)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(rows + mount_rows, f, indent=2)
+        json.dump(rows + mount_rows + step_rows, f, indent=2)
     print(f"results written to {args.out}", file=sys.stderr)
 
 

@@ -115,6 +115,8 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
     t0 = time.monotonic()
     run_id = uuid.uuid4().hex[:12]
     result = StepResult(run_id, 0)
+    # Wall-clock time the runner began, to set against timestamps the command takes.
+    result.timings["began"] = time.time()
     leases = _Leases(store)
     state: MountState | None = None
     try:

@@ -1,0 +1,196 @@
+"""Step benchmarks: what `strata run` adds to a command, per sandbox, in one run.
+
+Every figure sits beside the same command run without strata in the same
+run: directly (`none`), under the same bubblewrap command line, or under the
+same `runsc` bundle (both built by `strata.run.sandbox.build_command` over a
+plain directory). The command prints `date +%s.%N` and writes one file, so
+"start → command" is that timestamp minus the moment the caller launched it
+(or minus the runner's own start, `timings.began`, which leaves out the
+interpreter start and the CLI's imports), and "exit → published" is the
+runner's `timings.finish`. Figures are medians. Nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from bench.report import row
+
+STRATA = [sys.executable, "-m", "strata"]
+TARGET_MS = {"none": 100.0, "gvisor": 500.0}  # PRODUCT.md: step overhead
+BASELINE_WHAT = {"none": "the command run directly", "bwrap": "the same bwrap, no strata",
+                 "gvisor": "the same runsc bundle, no strata"}
+
+
+class Env:
+    """A store with its server and a volume `v`; the strata CLI pointed at it."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.store = os.path.join(root, "store")
+        self.env = {**os.environ, "STRATA_STORE": self.store,
+                    "STRATA_SCRATCH": os.path.join(root, "scratch"),
+                    "XDG_CACHE_HOME": os.path.join(root, "cache"),
+                    "STRATA_SERVER_IDLE_EXIT": "3600"}
+
+    def cli(self, *args: str) -> str:
+        p = subprocess.run([*STRATA, *args], env=self.env, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"strata {' '.join(args)}: {p.stderr.strip()}")
+        return p.stdout
+
+    def start_step(self, sandbox: str, script: str) -> tuple[float, subprocess.Popen[str]]:
+        argv = [*STRATA, "run", "--json", "--sandbox", sandbox, "-v", "v", "--", "sh", "-c",
+                script]
+        t = time.time()
+        return t, subprocess.Popen(argv, env=self.env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+
+    def close(self) -> None:
+        subprocess.run([*STRATA, "serve", "--stop"], env=self.env, capture_output=True)
+
+
+def _script(i: int) -> str:
+    return f'date +%s.%N; echo {i} > "$STRATA_STORAGE/v/f{i}"'
+
+
+def _strata_once(env: Env, sandbox: str, i: int) -> dict[str, float]:
+    launched, p = env.start_step(sandbox, _script(i))
+    out, err = p.communicate()
+    ended = time.time()
+    if p.returncode != 0:
+        raise RuntimeError(f"strata run --sandbox {sandbox} exited {p.returncode}: {err.strip()}")
+    stamp, _, report = out.partition("\n")
+    t = json.loads(report)["timings"]
+    cmd = float(stamp)
+    return {"launch_to_cmd": cmd - launched, "runner_to_cmd": cmd - t["began"],
+            "published": t["finish"], "wall": ended - launched}
+
+
+def _baseline_once(sandbox: str, i: int, scratch: str) -> dict[str, float]:
+    """The same command under the same sandbox over a plain directory."""
+    from strata.run.sandbox import build_command
+    work = tempfile.mkdtemp(dir=scratch)
+    storage = os.path.join(work, "storage")
+    os.makedirs(os.path.join(storage, "v"))
+    try:
+        cmd, cmd_env = build_command(sandbox, ["sh", "-c", _script(i)], storage, network=False,
+                                     workdir=work, run_id=f"bench-{os.getpid()}-{i}",
+                                     memory=None)
+        launched = time.time()
+        p = subprocess.run(cmd, env=cmd_env, cwd=storage, capture_output=True, text=True)
+        ended = time.time()
+        if p.returncode != 0:
+            raise RuntimeError(f"baseline {sandbox} exited {p.returncode}: {p.stderr.strip()}")
+        return {"launch_to_cmd": float(p.stdout.split()[0]) - launched, "wall": ended - launched}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _throughput(env: Env, sandbox: str, rounds: int, scratch: str,
+                base: int) -> tuple[float, float, int]:
+    """8 concurrent steps writing disjoint files vs the 8 commands alone: steps/s each."""
+    from strata.run.sandbox import build_command
+    strata_rates, base_rates, failed = [], [], 0
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        procs = [env.start_step(sandbox, _script(base + 8 * r + k))[1] for k in range(8)]
+        for p in procs:
+            p.communicate()
+            failed += p.returncode != 0
+        strata_rates.append(8 / (time.perf_counter() - t0))
+        work = tempfile.mkdtemp(dir=scratch)
+        storage = os.path.join(work, "storage")
+        os.makedirs(os.path.join(storage, "v"))
+        cmds = [build_command(sandbox, ["sh", "-c", _script(k)], storage, network=False,
+                              workdir=os.path.join(work, str(k)), run_id=f"tp-{os.getpid()}-{k}",
+                              memory=None) for k in range(8)]
+        t0 = time.perf_counter()
+        plain = [subprocess.Popen(c, env=e, cwd=storage, stdout=subprocess.DEVNULL)
+                 for c, e in cmds]
+        for p in plain:
+            p.wait()
+        base_rates.append(8 / (time.perf_counter() - t0))
+        shutil.rmtree(work, ignore_errors=True)
+    return statistics.median(strata_rates), statistics.median(base_rates), failed
+
+
+def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
+    """Run the step benchmarks in a fresh directory under `root`; return table rows."""
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        print("step benchmarks skipped: they need root and /dev/fuse", file=sys.stderr)
+        return []
+    work = tempfile.mkdtemp(prefix="strata-stepbench-", dir=root)
+    env = Env(work)
+    try:
+        return _run_all(env, quick)
+    finally:
+        env.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_all(env: Env, quick: bool) -> list[dict[str, Any]]:
+    n = 3 if quick else 10
+    scratch = os.path.join(env.root, "plain")
+    os.makedirs(scratch)
+    env.cli("init")
+    env.cli("volume", "create", "v")
+    sandboxes = ["none"] + [s for s, tool in (("bwrap", "bwrap"), ("gvisor", "runsc"))
+                            if shutil.which(tool)]
+    rows: list[dict[str, Any]] = []
+    i = 0
+    for sb in sandboxes:
+        _log(f"step overhead, --sandbox {sb} ({n} runs, alternating with the baseline)")
+        _strata_once(env, sb, i)  # warm: page cache, runsc's first start
+        _baseline_once(sb, i, scratch)
+        runs, bases = [], []
+        for _ in range(n):
+            i += 1
+            runs.append(_strata_once(env, sb, i))
+            bases.append(_baseline_once(sb, i, scratch))
+
+        def p50(samples: list[dict[str, float]], key: str) -> float:
+            return statistics.median(s[key] for s in samples) * 1000
+
+        base = p50(bases, "launch_to_cmd")
+        target = TARGET_MS.get(sb)
+        for what, key in (("from `strata run` launch", "launch_to_cmd"),
+                          ("from the runner's start", "runner_to_cmd")):
+            value = p50(runs, key)
+            rows.append(row(f"step start → command, {sb} ({what})", value, "ms", base,
+                            BASELINE_WHAT[sb],
+                            f"overhead ≤ {target:g} ms" if target else "",
+                            met=None if target is None else value - base <= target))
+        pub = p50(runs, "published")
+        rows.append(row(f"step exit → published, {sb}", pub, "ms", None, "",
+                        f"≤ {target:g} ms" if target else "",
+                        met=None if target is None else pub <= target))
+        rows.append(row(f"whole step wall time, {sb}", p50(runs, "wall"), "ms",
+                        p50(bases, "wall"), BASELINE_WHAT[sb]))
+    for sb in sandboxes[:2]:
+        _log(f"throughput: 8 concurrent steps writing disjoint files, --sandbox {sb}")
+        rate, base_rate, failed = _throughput(env, sb, 2 if quick else 3, scratch, 1000 * (i + 1))
+        i += 1
+        rows.append(row(f"8 concurrent steps, disjoint files, {sb}", rate, "steps/s", base_rate,
+                        "the 8 commands alone" if sb == "none" else "8 plain bwrap",
+                        "all land" if not failed else f"{failed} FAILED",
+                        lower_is_better=False, met=failed == 0))
+    return rows
+
+
+def _log(msg: str) -> None:
+    print(f"[steps] {msg}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    from bench.report import print_table
+    print_table("strata step benchmarks", run(os.environ.get("STRATA_BENCH_DIR", "/var/tmp"),
+                                              quick="--quick" in sys.argv))

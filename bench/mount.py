@@ -352,7 +352,9 @@ def _run_all(env: Env, quick: bool) -> list[dict[str, Any]]:
     _log("creates")  # best of three, interleaved: this one swings with other load
     cl = cm = 0.0
     for i in range(3):
+        os.sync()  # no writeback of earlier work competing with either side
         cl = max(cl, _creates(os.path.join(local, f"c{i}"), n_creates))
+        os.sync()
         cm = max(cm, _creates(os.path.join(m, f"c{i}"), n_creates))
     rows.append(row("file creates", cm, "files/s", cl, "ext4", lower_is_better=False))
 

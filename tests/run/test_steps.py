@@ -74,6 +74,16 @@ def test_failures_publish_nothing(senv: StepEnv, case: str, script: str,
     senv.wait_clean()
 
 
+def test_what_the_command_leaves_running_is_killed(senv: StepEnv) -> None:
+    """A background process cannot write to the volume after the step has ended."""
+    r = senv.step(["v"], sh(f"sleep 60 >/dev/null 2>&1 & echo $! > {VOL}/bg; echo x > {VOL}/f"),
+                  timeout=30)
+    assert r.rc == 0, r
+    pid = int(senv.cat("v", "bg"))
+    assert wait_for(lambda: not pid_alive(pid), 5.0), "a background process outlived its step"
+    senv.wait_clean()
+
+
 @needs_bwrap
 @pytest.mark.parametrize("case", ["exit-1", "memory"])
 def test_failures_publish_nothing_under_bwrap(senv: StepEnv, case: str) -> None:

@@ -169,7 +169,7 @@ def _oci_config(argv: list[str], env: dict[str, str], storage: str, *, network: 
 def run_command(cmd: list[str], env: dict[str, str], *, cwd: str, timeout: float | None,
                 memory: int | None, cgroup_name: str,
                 on_start: Callable[[int], None] | None = None) -> Outcome:
-    """Run to completion in its own process group; kill it all at the deadline.
+    """Run to completion in its own process group; kill it all at the end or the deadline.
 
     `on_start` gets the process group id as soon as the command is started.
     """
@@ -192,6 +192,10 @@ def run_command(cmd: list[str], env: dict[str, str], *, cwd: str, timeout: float
         if on_start is not None:
             on_start(proc.pid)
         proc.wait(timeout=timeout)
+        # What the command left running in its group dies with it, as in a sandbox's
+        # pid namespace: nothing may write to the volumes once they are scanned.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     except subprocess.TimeoutExpired:
         timed_out = True
         with contextlib.suppress(ProcessLookupError):

@@ -184,3 +184,49 @@ def run_as(uid: int, gid: int, cwd: Path, fn: Callable[[], Any]) -> Any:
         data = f.read()
     os.waitpid(pid, 0)
     return pickle.loads(data)
+
+
+def varied_tree(root: Path, *, sparse: bool = True, fifo: bool = True) -> None:
+    """A local directory with every kind of thing a commit must keep."""
+    root.mkdir()
+    (root / "dir" / "deeper" / "deepest").mkdir(parents=True)
+    (root / "empty_dir").mkdir()
+    (root / "inline").write_bytes(b"tiny")
+    (root / "empty").write_bytes(b"")
+    (root / "exact_inline").write_bytes(os.urandom(4096))
+    (root / "just_over_inline").write_bytes(os.urandom(4097))
+    (root / "exact_block").write_bytes(os.urandom(65536))
+    (root / "multi_block").write_bytes(os.urandom(65536 * 3 + 17))
+    (root / "zeros").write_bytes(bytes(200_000))
+    (root / "dir" / "text").write_text("some text\n" * 100)
+    (root / "dir" / "deeper" / "deepest" / "leaf").write_bytes(os.urandom(5000))
+    (root / "dir" / ("long" * 60)).write_text("a 240-byte name")
+    (root / "dir" / "ünïcødé name with spaces").write_text("unicode")
+    (root / "setuid").write_text("#!/bin/sh\n")
+    if sparse:
+        with open(root / "holey", "wb") as f:
+            f.write(b"x")
+            f.seek(1 << 20)
+            f.write(b"y")
+    os.symlink("dir/text", root / "link_rel")
+    os.symlink("/etc/hostname", root / "link_abs")
+    os.symlink("missing", root / "dir" / "dangling")
+    os.link(root / "multi_block", root / "dir" / "hard_multi")
+    os.link(root / "inline", root / "dir" / "deeper" / "hard_inline")
+    os.link(root / "inline", root / "hard_inline2")
+    if fifo:
+        os.mkfifo(root / "a_fifo")
+    os.setxattr(root / "dir" / "text", "user.note", b"kept")
+    os.setxattr(root / "dir", "user.dir_note", b"dir")
+    os.setxattr(root / "multi_block", "user.bin", bytes(range(256)))
+    os.chmod(root / "dir" / "text", 0o604)
+    os.chmod(root / "dir" / "deeper", 0o711)
+    os.chmod(root / "setuid", 0o4755)
+    os.chmod(root / "empty_dir", 0o1777)
+    os.chown(root / "exact_block", 1001, 1002)
+    os.chown(root / "dir" / "deeper", 1005, 1006)
+    os.chown(root / "link_abs", 1003, 1004, follow_symlinks=False)
+    t = 1_600_000_000_000_000_000
+    for i, p in enumerate(sorted(root.rglob("*"), key=lambda p: -len(p.parts))):
+        os.utime(p, ns=(t, t + i * 1_000_003 + 7), follow_symlinks=False)
+    os.utime(root, ns=(t, t - 11))

@@ -89,6 +89,10 @@ class StepEnv:
         out = json.loads(self.run("branch", "list", volume, "--json").stdout)
         return {b["name"]: b["head"] for b in out}
 
+    def written(self, volume: str, path: str) -> list[Path]:
+        """`path` as a running step wrote it: in its mount's upper directory, on the host."""
+        return sorted(self.scratch.glob(f"*/upper/{volume}/{path}"))
+
     def leftovers(self) -> tuple[list[str], list[str]]:
         """Mounts under the test's directory and entries in the scratch directory."""
         scratch = sorted(os.listdir(self.scratch)) if self.scratch.is_dir() else []

@@ -105,14 +105,13 @@ def test_failures_publish_nothing_under_bwrap(senv: StepEnv, case: str) -> None:
 def test_sigkill_of_the_runner_publishes_nothing(senv: StepEnv, sandbox: str) -> None:
     """The runner dies mid-step: its mount process kills the command and discards all."""
     before = senv.head("v")
-    marker = senv.scratch / "*" / "upper" / "v" / "running"
     # The command says it runs through a file in its volume (bwrap lets it write
     # nowhere else), seen on the host in the mount's upper directory.
     p = senv.start_step(["v"], sh(f"echo x > {VOL}/f; echo $$ > {VOL}/running; exec sleep 60"),
                         sandbox)
-    assert wait_for(lambda: any(senv.root.glob(str(marker.relative_to(senv.root)))), 20), (
+    assert wait_for(lambda: bool(senv.written("v", "running")), 20), (
         finish(p) if p.poll() is not None else "the command never ran")
-    (running,) = senv.root.glob(str(marker.relative_to(senv.root)))
+    (running,) = senv.written("v", "running")
     pid = int(running.read_text()) if sandbox == "none" else None  # a pid in bwrap's namespace
     p.send_signal(signal.SIGKILL)
     p.wait()
@@ -230,8 +229,7 @@ def test_exclusive_steps_take_turns(senv: StepEnv) -> None:
 
 def test_killed_lease_holder_blocks_no_longer_than_the_ttl(senv: StepEnv) -> None:
     p = senv.start_step(["v:exclusive"], sh(f"echo held > {VOL}/running; exec sleep 120"))
-    running = senv.scratch / "*" / "upper" / "v" / "running"
-    assert wait_for(lambda: any(senv.root.glob(str(running.relative_to(senv.root)))), 20)
+    assert wait_for(lambda: bool(senv.written("v", "running")), 20)
     p.send_signal(signal.SIGKILL)
     p.wait()
     killed = time.monotonic()

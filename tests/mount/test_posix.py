@@ -77,6 +77,13 @@ def _seed(root: Path) -> None:
     (root / "opq2" / "c").write_text("c")
     (root / "dir2file" / "x").write_text("x")
     (root / "file2dir").write_text("was a file")
+    (root / "rc_lower" / "sub").mkdir(parents=True)
+    (root / "rc_lower" / "k").write_text("pinned k")
+    (root / "rc_lower" / "sub" / "j").write_text("pinned j")
+    (root / "rc_lower2").mkdir()
+    (root / "rc_lower2" / "k").write_text("pinned k2")
+    (root / "rc_mv").mkdir()
+    (root / "rc_mv" / "a").write_text("pinned a")
     (root / "lhl_a").write_bytes(HL_TEXT + b"a")
     os.link(root / "lhl_a", root / "lhl_b")
     os.symlink("lower.txt", root / "lsym")
@@ -531,6 +538,57 @@ def test_unlink_open_file(sm: SharedMount) -> None:
     with sm.fresh(commit=False) as f:
         assert not (f / "unlink_open").exists()
         assert (f / "uo_up").read_text() == "reborn"
+
+
+def test_commits_after_removing_committed_trees(sm: SharedMount) -> None:
+    """What one commit published can be removed or replaced by the next one.
+
+    The second commit of each pair changes paths whose children the first one
+    published: a new tree removed, a snapshot directory with committed changes
+    removed or emptied and made again, a file turned into a tree and back.
+    """
+    m = sm.m
+    (m / "rc_new" / "e").mkdir(parents=True)
+    (m / "rc_new" / "e" / "f").write_text("f")
+    (m / "rc_file").write_text("file")
+    (m / "rc_dir" / "v").mkdir(parents=True)
+    (m / "rc_dir" / "v" / "u").write_text("u")
+    (m / "rc_lower" / "k").write_text("changed k")
+    (m / "rc_lower" / "new").write_text("new in lower dir")
+    (m / "rc_lower2" / "k").write_text("changed k2")
+    os.rename(m / "rc_mv", m / "rc_mv2")
+    (m / "rc_mv2" / "a").write_text("changed a")
+    sm.commit()
+    shutil.rmtree(m / "rc_new")
+    os.unlink(m / "rc_file")
+    (m / "rc_file" / "y").mkdir(parents=True)
+    (m / "rc_file" / "y" / "z").write_text("z")
+    shutil.rmtree(m / "rc_dir")
+    (m / "rc_dir").write_text("a file now")
+    shutil.rmtree(m / "rc_lower")
+    shutil.rmtree(m / "rc_lower2")
+    (m / "rc_lower2").mkdir()
+    (m / "rc_lower2" / "other").write_text("other")
+    with sm.fresh() as f:
+        assert not (f / "rc_new").exists()
+        assert (f / "rc_file" / "y" / "z").read_text() == "z"
+        assert (f / "rc_dir").read_text() == "a file now"
+        assert not (f / "rc_lower").exists()
+        assert os.listdir(f / "rc_lower2") == ["other"]
+    # And back again, once more each.
+    shutil.rmtree(m / "rc_file")
+    (m / "rc_file").write_text("file again")
+    os.unlink(m / "rc_dir")
+    (m / "rc_lower2" / "k").write_text("k2 again")
+    (m / "rc_mv2" / "b").write_text("b")  # the renamed directory's mtime moves
+    with sm.fresh() as f:
+        assert sorted(os.listdir(f / "rc_mv2")) == ["a", "b"]
+        assert (f / "rc_mv2" / "a").read_text() == "changed a"
+        assert (f / "rc_file").read_text() == "file again"
+        assert not (f / "rc_dir").exists()
+        assert sorted(os.listdir(f / "rc_lower2")) == ["k", "other"]
+        assert (f / "rc_lower2" / "k").read_text() == "k2 again"
+    assert sm.env.run("status", str(m), "--json").stdout.count('"uncommitted": []') == 1
 
 
 # -- sparse and large files ------------------------------------------------------------------

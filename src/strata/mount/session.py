@@ -183,16 +183,56 @@ def pending(store: Store, state: MountState, v: VolumeState
     for path, e in scan.changes.items():
         if v.published.get(path) != entry_digest(e):
             changes[path] = e
+    # A directory replaced whole (opaque, or renamed from elsewhere) is sent again
+    # whenever its attributes change, e.g. its mtime when a file is added. It then
+    # replaces what the head holds there, so everything the mount has beneath it
+    # goes with it again, published before or not.
+    replaced = {p for p, e in changes.items()
+                if e is not None and e.kind == K_DIR and e.ref is not None}
+    if replaced:
+        for path, e in scan.changes.items():
+            parts = path.split("/")
+            if path not in changes and any("/".join(parts[:i]) in replaced
+                                           for i in range(1, len(parts))):
+                changes[path] = e
     gone = [p for p in v.published if p not in scan.changes]
     if gone:
         trees = Trees(store)
         root = store.snapshot(v.pinned).root
-        for path in gone:
-            e = trees.resolve(root, tuple(path.split("/")))
+        view = dict(scan.changes)
+        for path in sorted(gone, key=lambda p: p.split("/")):  # parents first
+            seen, e = _seen_without_change(trees, root, view, path)
+            if not seen:
+                continue  # below a path now deleted or made a file: gone with it
+            view[path] = e
             if e is not None and e.kind == K_DIR:
-                e = e.with_(ref=None)  # back to the pinned attributes, contents untouched
+                e = e.with_(ref=None)  # back to those attributes, contents untouched
             changes[path] = e
     return changes, scan
+
+
+def _seen_without_change(trees: Trees, root: Entry, changes: dict[str, Entry | None],
+                         path: str) -> tuple[bool, Entry | None]:
+    """What the mount shows at `path` when the scan has no change for it.
+
+    (False, None) below a deleted path or a non-directory: a change set may
+    not name such a path. Below a directory the scan replaced (opaque, or
+    redirected from elsewhere), what that directory's tree holds; otherwise
+    what the pinned snapshot holds.
+    """
+    parts = path.split("/")
+    for i in range(len(parts) - 1, 0, -1):
+        anc = changes.get("/".join(parts[:i]), _NO_CHANGE)
+        if anc is _NO_CHANGE:
+            continue
+        if anc is None or anc.kind != K_DIR:
+            return False, None
+        if anc.ref is not None:
+            return True, trees.resolve(anc, parts[i:])
+    return True, trees.resolve(root, parts)
+
+
+_NO_CHANGE = Entry(kind=K_DIR, mode=0)
 
 
 @dataclass

@@ -89,6 +89,9 @@ def _seed(root: Path) -> None:
     os.symlink("lower.txt", root / "lsym")
     (root / "untouched" / "sub").mkdir(parents=True)
     (root / "many").mkdir()
+    (root / "many_lower").mkdir()
+    for i in range(200):
+        (root / "many_lower" / f"f{i:03d}").write_text(str(i))
     for i in range(200):
         (root / "many" / f"f{i:03d}").write_text(str(i))
     (root / "secret").write_text("top secret\n")
@@ -451,6 +454,25 @@ def test_modes_owners_and_nanosecond_times(sm: SharedMount) -> None:
         assert os.stat(f / "meta").st_mtime_ns == MTIME + 3
 
 
+def test_root_directory_attributes(sm: SharedMount) -> None:
+    """The mount's own directory keeps its mode, owner, xattrs and mtime too."""
+    m = sm.m
+    os.chmod(m, 0o750)
+    os.chown(m, 4242, 4343)
+    os.setxattr(m, "user.root", b"on the root")
+    try:
+        with sm.fresh() as f:
+            st = os.stat(f)
+            assert (statmod.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o750, 4242, 4343)
+            assert os.getxattr(f, "user.root") == b"on the root"
+            os.utime(m, ns=(ATIME, MTIME + 5))
+        with sm.fresh() as f:
+            assert os.stat(f).st_mtime_ns == MTIME + 5
+    finally:
+        os.chmod(m, 0o755)
+        os.chown(m, 0, 0)
+
+
 def test_truncate(sm: SharedMount) -> None:
     m = sm.m
     os.truncate(m / "trunc_me", 100_000)  # lower file, grown with a hole
@@ -803,9 +825,14 @@ def test_statfs(sm: SharedMount) -> None:
 # -- readdir -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["many", "fresh_dir"])
+@pytest.mark.parametrize("where", ["many_lower", "many", "fresh_dir"])
 def test_readdir_while_the_directory_changes(sm: SharedMount, where: str) -> None:
-    """Entries that exist throughout a listing appear exactly once; no crash."""
+    """Entries that exist throughout a listing appear exactly once; no crash.
+
+    many_lower is a snapshot directory nothing touched before (the first
+    change during the listing copies it up), many one with an xattr set
+    (already merged), fresh_dir one made on the mount.
+    """
     d = sm.m / where
     if where == "fresh_dir":
         d.mkdir()

@@ -387,3 +387,48 @@ def test_rsync(sm: SharedMount, tmp_path: Path) -> None:
     with sm.fresh() as f:
         assert _diff(src, f / "rsynced") == []
         assert _itemize(src, f / "rsynced") == []
+
+
+# -- make and a C compiler -------------------------------------------------------------------
+
+
+MAKEFILE = """\
+OBJS := $(patsubst %.c,%.o,$(sort $(wildcard src/*.c)))
+prog: $(OBJS)
+\t$(CC) -o $@ $^
+src/%.o: src/%.c src/common.h
+\t$(CC) -O0 -c -o $@ $<
+"""
+
+
+@pytest.mark.skipif(not (shutil.which("make") and shutil.which("cc")), reason="no make or cc")
+def test_make_and_cc(sm: SharedMount) -> None:
+    """A build, an incremental rebuild, and make's view after a commit and remount.
+
+    make decides what is up to date from nanosecond mtimes.
+    """
+    proj = sm.m / "cproj"
+    (proj / "src").mkdir(parents=True)
+    (proj / "Makefile").write_text(MAKEFILE)
+    (proj / "src" / "common.h").write_text("int f(int);\n")
+    calls = " + ".join(f"f{i}(1)" for i in range(20))
+    for i in range(20):
+        (proj / "src" / f"f{i}.c").write_text(f'#include "common.h"\nint f{i}(int x) '
+                                              f"{{ return x + {i}; }}\n")
+    decls = "".join(f"int f{i}(int);\n" for i in range(20))
+    (proj / "src" / "main.c").write_text(f'#include <stdio.h>\n#include "common.h"\n{decls}'
+                                         f'int f(int x) {{ return x; }}\nint main(void) '
+                                         f'{{ printf("%d\\n", {calls}); return 0; }}\n')
+    run("make", "-j4", "-s", cwd=proj)
+    assert run(proj / "prog") == f"{sum(1 + i for i in range(20))}\n"
+    run("make", "-q", cwd=proj)  # exit 0: up to date
+    (proj / "src" / "f3.c").write_text('#include "common.h"\nint f3(int x) { return x + 103; }\n')
+    compiled = [line for line in run("make", cwd=proj).splitlines() if " -c " in line]
+    assert compiled == ["cc -O0 -c -o src/f3.o src/f3.c"]  # only what changed
+    with sm.fresh() as f:
+        fproj = f / "cproj"
+        run("make", "-q", cwd=fproj)  # exit 0: everything up to date
+        assert run(fproj / "prog") == f"{sum(1 + i for i in range(20)) + 100}\n"
+        (fproj / "src" / "common.h").write_text("int f(int);\n/* touched */\n")
+        assert len([line for line in run("make", cwd=fproj).splitlines()
+                    if " -c " in line]) == 21

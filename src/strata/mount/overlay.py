@@ -53,11 +53,28 @@ class MountError(StrataError):
 
 
 def mount_overlay(lower: str, upper: str, work: str, target: str) -> None:
+    _adopt_root(lower, upper)
     opts = f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}"
     p = subprocess.run(["mount", "-t", "overlay", "strata", "-o", opts, target],
                        capture_output=True, text=True)
     if p.returncode != 0:
         raise MountError(f"overlay mount on {target} failed: {p.stderr.strip()}")
+
+
+def _adopt_root(lower: str, upper: str) -> None:
+    """Give a new upper directory the lower root's mode, owner, xattrs and mtime.
+
+    overlayfs shows the upper root's attributes for the mount's root, and a
+    scratch directory made for the mount would otherwise replace the
+    snapshot's (and be published by the next commit).
+    """
+    st = os.stat(lower)
+    for name in os.listxattr(lower):
+        with contextlib.suppress(OSError):  # a namespace the upper filesystem refuses
+            os.setxattr(upper, name, os.getxattr(lower, name))
+    os.chown(upper, st.st_uid, st.st_gid)
+    os.chmod(upper, statmod.S_IMODE(st.st_mode))
+    os.utime(upper, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def unmount(target: str, *, lazy: bool = False) -> None:
@@ -89,6 +106,7 @@ class Scan:
     def summary(self) -> list[dict[str, str]]:
         out = []
         for path, e in sorted(self.changes.items()):
+            path = path or "."
             if e is None:
                 out.append({"path": path, "change": "deleted"})
             elif e.kind == K_DIR and e.ref is None:
@@ -150,6 +168,11 @@ class UpperScanner:
         touched: set[int] = set()  # link groups of the snapshot the upper layer changed
         redirects: list[tuple[str, tuple[str, ...]]] = []  # (path, lower source)
         self._walk(upper, "", self.lower_root, (), out, links, touched, redirects)
+        st = os.stat(upper)  # the upper root is the mount's root (see _adopt_root)
+        root = Entry(kind=K_DIR, mode=statmod.S_IMODE(st.st_mode), uid=st.st_uid,
+                     gid=st.st_gid, mtime_ns=st.st_mtime_ns, xattrs=_user_xattrs(upper))
+        if root.attrs() != self.lower_root.attrs() or root.mtime_ns != self.lower_root.mtime_ns:
+            out.changes[""] = root  # path "" is the root: attributes only
         for paths in links.values():  # hard links made inside the mount
             if len(paths) > 1:
                 digest = object_id(0, "\0".join(sorted(paths)).encode("utf-8", "surrogateescape"))

@@ -220,7 +220,7 @@ def _seen_without_change(trees: Trees, root: Entry, changes: dict[str, Entry | N
     redirected from elsewhere), what that directory's tree holds; otherwise
     what the pinned snapshot holds.
     """
-    parts = path.split("/")
+    parts = path.split("/") if path else []  # "" is the root
     for i in range(len(parts) - 1, 0, -1):
         anc = changes.get("/".join(parts[:i]), _NO_CHANGE)
         if anc is _NO_CHANGE:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import mmap
 import os
 import shutil
@@ -657,6 +658,54 @@ def test_sparse_files(sm: SharedMount) -> None:
     os.unlink(big)  # keep later whole-tree walks cheap
 
 
+COMMIT_MEASURED = """
+import resource, runpy, sys
+sys.argv = ["strata", "commit", "--json", sys.argv[1]]
+try:
+    runpy.run_module("strata", run_name="__main__")
+finally:
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
+
+
+def test_commit_of_a_large_file_reads_it_back_in_batches(sm: SharedMount) -> None:
+    """Committing a 512 MiB file does not hold the file in the committer's memory."""
+    m = sm.m
+    block = 64 * 1024
+    count = 8192  # distinct blocks: nothing dedupes
+    with open(m / "large", "wb") as fh:
+        for i in range(count):
+            fh.write(i.to_bytes(8, "little") * (block // 8))
+    p = subprocess.run([sys.executable, "-c", COMMIT_MEASURED, str(m)], env=sm.env.env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    max_rss_mib = int(p.stderr.strip().splitlines()[-1]) // 1024
+    assert max_rss_mib < 256, max_rss_mib
+    assert json.loads(p.stdout)["uploaded_bytes"] >= count * block
+    with sm.fresh(commit=False) as f, open(f / "large", "rb") as fh:
+        for i in (0, 1, 4097, count - 1):
+            fh.seek(i * block)
+            assert fh.read(block) == i.to_bytes(8, "little") * (block // 8)
+    os.unlink(m / "large")
+
+
+def test_a_block_read_back_must_still_match(tmp_path: Path) -> None:
+    """A block kept by reference is checked when read back for the upload."""
+    from strata.engine.errors import Unavailable
+    from strata.engine.objects import BLOCK, object_id
+    from strata.mount.overlay import ObjectSet
+
+    f = tmp_path / "f"
+    f.write_bytes(b"a" * 100 + b"b" * 100)
+    objs = ObjectSet()
+    oid = object_id(BLOCK, b"b" * 100)
+    objs.put_block(oid, str(f), 100, 100)
+    assert objs[oid] == (BLOCK, b"b" * 100) and objs.size(oid) == 100 and oid in objs
+    f.write_bytes(b"a" * 100 + b"c" * 100)  # changed after the scan
+    with pytest.raises(Unavailable, match="changed while it was being committed"):
+        objs[oid]
+
+
 def _scan_reads(sm: SharedMount) -> int:
     """Bytes this process reads while scanning the mount's upper directory."""
     from strata.mount.session import find_mount, scan_volume
@@ -1044,8 +1093,6 @@ def test_known_limit_snapshot_files_report_full_allocation(sm: SharedMount) -> N
         fh.write(b"S")
     upper = next((sm.root / "scratch").glob("*/upper/_/sparse_lower"))
     assert os.stat(upper).st_blocks * 512 >= SPARSE_LOWER  # holes filled by copy-up
-    import json
-
     result = json.loads(sm.env.run("commit", str(m), "--json").stdout)
     assert result["uploaded_bytes"] < 1 << 20  # one new block, not 32 MiB of zeros
     with sm.fresh(commit=False) as f:

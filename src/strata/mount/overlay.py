@@ -19,10 +19,10 @@ import errno
 import os
 import stat as statmod
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from strata.engine.errors import InvalidInput, StrataError
+from strata.engine.errors import InvalidInput, StrataError, Unavailable
 from strata.engine.objects import (
     BLOCK,
     EMPTY_TREE_ID,
@@ -94,12 +94,67 @@ def is_mountpoint(path: str) -> bool:
     return False
 
 
+HELD_BYTES = 64 * 1024 * 1024  # new blocks a scan keeps in memory; the rest are read back
+
+
+class ObjectSet(Mapping[bytes, tuple[int, bytes]]):
+    """Objects a commit may upload, by id: (kind, raw bytes).
+
+    The first HELD_BYTES of new blocks are kept in memory; beyond that a block
+    is kept as (file, offset, length) and read back, and checked against its
+    id, when it is asked for. Committing a 10 GiB file then needs memory for
+    one upload batch, not for the file.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[bytes, tuple[int, bytes]] = {}
+        self._refs: dict[bytes, tuple[str, int, int]] = {}
+        self.held_bytes = 0
+
+    def put(self, oid: bytes, kind: int, raw: bytes) -> None:
+        self._held[oid] = (kind, raw)
+        self.held_bytes += len(raw)
+
+    def put_block(self, oid: bytes, path: str, offset: int, length: int) -> None:
+        if oid not in self._held:
+            self._refs[oid] = (path, offset, length)
+
+    def size(self, oid: bytes) -> int:
+        held = self._held.get(oid)
+        return len(held[1]) if held is not None else self._refs[oid][2]
+
+    def __getitem__(self, oid: bytes) -> tuple[int, bytes]:
+        held = self._held.get(oid)
+        if held is not None:
+            return held
+        path, offset, length = self._refs[oid]
+        try:
+            with open(path, "rb") as f:
+                data = os.pread(f.fileno(), length, offset)
+        except OSError as exc:
+            raise Unavailable(f"{path} changed while it was being committed ({exc}); "
+                              "commit again") from exc
+        if object_id(BLOCK, data) != oid:
+            raise Unavailable(f"{path} changed while it was being committed; commit again")
+        return BLOCK, data
+
+    def __contains__(self, oid: object) -> bool:
+        return oid in self._held or oid in self._refs
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self._held
+        yield from self._refs
+
+    def __len__(self) -> int:
+        return len(self._held) + len(self._refs)
+
+
 @dataclass
 class Scan:
     """The upper directory read as a change set (paths -> final entries)."""
 
     changes: dict[str, Entry | None] = field(default_factory=dict)
-    objects: dict[bytes, tuple[int, bytes]] = field(default_factory=dict)  # to upload
+    objects: ObjectSet = field(default_factory=ObjectSet)  # to upload
     files_hashed: int = 0
     bytes_hashed: int = 0
 
@@ -307,7 +362,8 @@ class UpperScanner:
             return None if _same_file(e, lower) and not keep else e
         bs = self.block_size
         blocks: list[bytes] = []
-        new: dict[bytes, bytes] = {}
+        new: dict[bytes, tuple[int, bytes | None]] = {}  # id -> offset, bytes if held
+        holding = 0
         fd = os.open(real, os.O_RDONLY)
         try:
             # Holes are never read: a sparse 5 GiB file with a few bytes of data costs
@@ -323,7 +379,10 @@ class UpperScanner:
                     continue
                 oid = object_id(BLOCK, data)
                 blocks.append(oid)
-                new[oid] = data
+                if oid not in new:
+                    held = out.objects.held_bytes + holding + len(data) <= HELD_BYTES
+                    new[oid] = (i * bs, data if held else None)
+                    holding += len(data) if held else 0
         finally:
             os.close(fd)
         lower_blocks: set[bytes] = set()
@@ -335,10 +394,14 @@ class UpperScanner:
         e = Entry(kind=K_FILE, size=size, ref=ref, **base)  # type: ignore[arg-type]
         if _same_file(e, lower) and not keep:
             return None
-        for oid, data in new.items():
-            if oid not in lower_blocks:
-                out.objects[oid] = (BLOCK, data)
-        out.objects[ref] = (FILENODE, node)
+        for oid, (offset, kept) in new.items():
+            if oid in lower_blocks:
+                continue
+            if kept is not None:
+                out.objects.put(oid, BLOCK, kept)
+            else:
+                out.objects.put_block(oid, real, offset, min(bs, size - offset))
+        out.objects.put(ref, FILENODE, node)
         return e
 
 

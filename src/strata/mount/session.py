@@ -29,6 +29,7 @@ from strata.engine.objects import K_DIR, Entry, FileNode, packb
 from strata.engine.tree import Trees
 from strata.mount.overlay import (
     MountError,
+    ObjectSet,
     Scan,
     UpperScanner,
     is_mountpoint,
@@ -251,7 +252,7 @@ def commit(store: Store, state: MountState, *, message: str = "",
     todo = [v for v in state.volumes if not v.readonly and (names is None or v.name in names)]
     work = [(v, *pending(store, state, v)) for v in todo]
     changesets = []
-    objects: dict[bytes, tuple[int, bytes]] = {}
+    objects: dict[bytes, ObjectSet] = {}  # id -> the scan that can read it
     for v, changes, scan in work:
         if not changes:
             continue
@@ -274,32 +275,34 @@ def commit(store: Store, state: MountState, *, message: str = "",
                         time.monotonic() - t0)
 
 
-def _collect(scan: Scan, ref: bytes, out: dict[bytes, tuple[int, bytes]]) -> None:
-    """A file node and the new blocks it names."""
-    kind, raw = scan.objects[ref]
-    out[ref] = (kind, raw)
+def _collect(scan: Scan, ref: bytes, out: dict[bytes, ObjectSet]) -> None:
+    """A file node and the new blocks it names (read only when uploaded)."""
+    out[ref] = scan.objects
+    _kind, raw = scan.objects[ref]  # file nodes are always held
     for b in FileNode.decode(raw).blocks:
         if b in scan.objects:
-            out[b] = scan.objects[b]
+            out[b] = scan.objects
 
 
-def _upload(store: Store, objects: dict[bytes, tuple[int, bytes]]
+def _upload(store: Store, objects: dict[bytes, ObjectSet]
             ) -> tuple[list[tuple[int, bytes]], int]:
     """Upload what the store lacks; small sets ride with the publish instead.
 
     Returns the objects to send with the publish and the bytes sent in all:
     only what the store lacked, so a copy of data it has costs nothing.
+    Blocks are read one upload batch at a time.
     """
     if not objects:
         return [], 0
     lacking = set(store.missing(list(objects)))
-    todo = [objects[o] for o in objects if o in lacking]
-    sent = sum(len(r) for _k, r in todo)
+    todo = [o for o in objects if o in lacking]
+    sent = sum(objects[o].size(o) for o in todo)
     if sent <= MAX_INLINE_UPLOAD:
-        return todo, sent
+        return [objects[o][o] for o in todo], sent
     batch: list[tuple[int, bytes]] = []
     size = 0
-    for obj in todo:
+    for oid in todo:
+        obj = objects[oid][oid]
         batch.append(obj)
         size += len(obj[1])
         if size >= 16 * 1024 * 1024:

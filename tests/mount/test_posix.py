@@ -48,7 +48,8 @@ def _seed(root: Path) -> None:
     root.mkdir()
     (root / "lower.txt").write_bytes(LOWER_TEXT)
     for name in ("ren_src", "ren_dst", "ren_dst2", "ex_a", "ex_b", "nr_src", "nr_dst", "append",
-                 "excl", "trunc_me", "shrink_me", "unlink_open", "locked", "xl",
+                 "excl", "trunc_me", "shrink_me", "unlink_open", "xl", "locked_flock",
+                 "locked_lockf", "locked_range", "locked_flock-shared", "locked_lockf-shared",
                  "chmod_me", "link_src"):
         (root / name).write_bytes(name.encode() * 600)
     (root / "ldir" / "sub").mkdir(parents=True)
@@ -774,11 +775,12 @@ def test_xattrs(sm: SharedMount) -> None:
 HOLDER = r"""
 import fcntl, os, sys
 path, kind = sys.argv[1], sys.argv[2]
-fd = os.open(path, os.O_RDWR)
-if kind == "flock":
-    fcntl.flock(fd, fcntl.LOCK_EX)
-elif kind == "lockf":
-    fcntl.lockf(fd, fcntl.LOCK_EX)
+shared = kind.endswith("-shared")
+fd = os.open(path, os.O_RDONLY if shared else os.O_RDWR)  # read-only: no copy-up
+if kind.startswith("flock"):
+    fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+elif kind.startswith("lockf"):
+    fcntl.lockf(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
 else:
     fcntl.lockf(fd, fcntl.LOCK_EX, 10, 0)  # bytes 0..9
 print("locked", flush=True)
@@ -800,10 +802,16 @@ def _try_lock(path: Path, kind: str, length: int = 0, start: int = 0) -> int:
     return 0
 
 
-@pytest.mark.parametrize("kind", ["flock", "lockf", "range"])
+@pytest.mark.parametrize("kind", ["flock", "lockf", "range", "flock-shared", "lockf-shared"])
 def test_locks_between_processes(sm: SharedMount, kind: str) -> None:
+    """Locks (flock and fcntl) conflict between processes, on new and snapshot files.
+
+    In the -shared variants the holder opens a snapshot file read-only (it
+    stays in the lower layer) and the contender's read-write open copies it
+    up: the locks still meet, on the overlay's inode.
+    """
     m = sm.m
-    targets = [m / "locked"]  # lower first: the holder's open copies it up
+    targets = [m / f"locked_{kind}"]  # a snapshot file first
     (m / f"locked_up_{kind}").write_text("upper")
     targets.append(m / f"locked_up_{kind}")
     for path in targets:
@@ -817,11 +825,11 @@ def test_locks_between_processes(sm: SharedMount, kind: str) -> None:
                 assert _try_lock(path, "lockf", 10, 5) in busy  # overlaps 5..14
                 assert _try_lock(path, "lockf", 10, 20) == 0  # 20..29 is free
             else:
-                assert _try_lock(path, kind) in busy
+                assert _try_lock(path, kind.split("-")[0]) in busy
             holder.stdin.write("\n")
             holder.stdin.flush()
             assert holder.wait(timeout=10) == 0
-            assert _try_lock(path, "lockf" if kind == "range" else kind) == 0
+            assert _try_lock(path, "lockf" if kind == "range" else kind.split("-")[0]) == 0
         finally:
             if holder.poll() is None:
                 holder.kill()

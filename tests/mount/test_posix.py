@@ -108,6 +108,9 @@ def _seed(root: Path) -> None:
         f.seek(SPARSE_LOWER - 1)
         f.write(b"e")
     (root / "mapped_lower").write_bytes(b"old bytes" * 1000)
+    (root / "ino_plain").write_bytes(b"plain" * 1000)
+    (root / "ino_linked").write_bytes(b"linked" * 1000)
+    os.link(root / "ino_linked", root / "ino_linked2")
     for i, data in enumerate(COLD):
         (root / f"cold{i}").write_bytes(data)
 
@@ -1087,6 +1090,23 @@ def test_known_limit_readonly_mapping_of_a_snapshot_file(sm: SharedMount) -> Non
         assert fh.read(9) == b"NEW bytes"
 
 
+def test_inode_numbers_across_copy_up(sm: SharedMount) -> None:
+    """A snapshot file keeps (st_dev, st_ino) through its first write.
+
+    overlayfs records the lower file's handle on the copy-up (the FUSE view
+    can encode one) and keeps showing the lower inode number. The limit: a
+    file of a snapshot hard-link group (index=off) gets the upper file's
+    number and device at its first write.
+    """
+    m = sm.m
+    for name, kept in (("ino_plain", True), ("ino_linked", False)):
+        before = os.stat(m / name)
+        with open(m / name, "ab") as fh:
+            fh.write(b"+")
+        after = os.stat(m / name)
+        assert ((before.st_dev, before.st_ino) == (after.st_dev, after.st_ino)) is kept, name
+
+
 def test_known_limit_snapshot_files_report_full_allocation(sm: SharedMount) -> None:
     """A sparse file of the snapshot looks fully allocated and is copied up whole.
 
@@ -1152,6 +1172,8 @@ def test_whole_tree_survives_commit_and_remount(sm: SharedMount,
     stale = {}  # only where test_lower_hardlinks_after_unlink_and_write ran
     if "lhl1" in live and "lhl2" not in live:
         stale |= {"lhl1": (2, 1), "lhl_b": (2, 1), "lhl_y": (2, 1)}
+    if "ino_linked" in live and live["ino_linked"]["size"] != live["ino_linked2"]["size"]:
+        stale |= {"ino_linked2": (2, 1)}
     if "hg_moved/h1" in live:
         stale |= {"hg_moved/h1": (3, 2), "hg_moved/h2": (3, 2)}
     with sm.fresh() as f:

@@ -104,8 +104,11 @@ def _throughput(env: Env, sandbox: str, rounds: int, scratch: str,
         t0 = time.perf_counter()
         procs = [env.start_step(sandbox, _script(base + 8 * r + k))[1] for k in range(8)]
         for p in procs:
-            p.communicate()
-            failed += p.returncode != 0
+            _out, err = p.communicate()
+            if p.returncode != 0:
+                failed += 1
+                print(f"[steps] a step exited {p.returncode}: {str(err or '')[-400:]}",
+                      file=sys.stderr)
         strata_rates.append(8 / (time.perf_counter() - t0))
         work = tempfile.mkdtemp(dir=scratch)
         storage = os.path.join(work, "storage")

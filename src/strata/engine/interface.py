@@ -128,6 +128,17 @@ class Store(ABC):
         """The full id of the one snapshot whose id starts with `prefix`."""
 
     def snapshot(self, sid: str) -> SnapshotInfo:
+        """A snapshot's record; snapshots never change, so they are kept (bounded)."""
+        cache: dict[str, SnapshotInfo] = self.__dict__.setdefault("_snap_cache", {})
+        info = cache.get(sid)
+        if info is None:
+            info = self._read_snapshot(sid)
+            if len(cache) > 4096:
+                cache.clear()
+            cache[sid] = info
+        return info
+
+    def _read_snapshot(self, sid: str) -> SnapshotInfo:
         from strata.engine.errors import InvalidInput, NotFound
         try:
             oid = bytes.fromhex(sid)

@@ -615,15 +615,6 @@ class LocalStore(Store):
             raise Corrupt(name, loc[1], f"index points at {stored_id.hex()}, not {oid.hex()}")
         return raw
 
-    def snapshot(self, sid: str) -> SnapshotInfo:
-        info = self._snap_cache.get(sid)
-        if info is None:
-            info = super().snapshot(sid)
-            if len(self._snap_cache) > 4096:
-                self._snap_cache.clear()
-            self._snap_cache[sid] = info
-        return info
-
     def object_kind(self, oid: bytes) -> int | None:
         loc = self._locate(oid)
         return loc[3] if loc is not None else None

@@ -213,15 +213,6 @@ class RemoteStore(Store):
                                     headers={"Range": f"bytes={offset}-{offset + length - 1}"})
         return data
 
-    def snapshot(self, sid: str) -> SnapshotInfo:
-        info = self._snap_cache.get(sid)
-        if info is None:
-            info = super().snapshot(sid)
-            if len(self._snap_cache) > 4096:
-                self._snap_cache.clear()
-            self._snap_cache[sid] = info
-        return info
-
     def create_volume(self, name: str) -> str:
         return str(self._json("POST", "/v1/volumes", {"name": check_volume(name)})["head"])
 

@@ -21,29 +21,18 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from bench.cli_env import STRATA, CliEnv
 from bench.report import row
 
 MIB = 1024 * 1024
-STRATA = [sys.executable, "-m", "strata"]
 
 
-class Env:
-    """A store with its server, and the strata CLI pointed at it."""
+class Env(CliEnv):
+    """A store with its server and the mounts made on it."""
 
     def __init__(self, root: str) -> None:
-        self.root = root
-        self.store = os.path.join(root, "store")
-        self.scratch = os.path.join(root, "scratch")
-        self.cache = os.path.join(root, "cache")
-        self.env = {**os.environ, "STRATA_STORE": self.store, "STRATA_SCRATCH": self.scratch,
-                    "XDG_CACHE_HOME": self.cache, "STRATA_SERVER_IDLE_EXIT": "3600"}
+        super().__init__(root)
         self.mounts: list[str] = []
-
-    def cli(self, *args: str) -> str:
-        p = subprocess.run([*STRATA, *args], env=self.env, capture_output=True, text=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"strata {' '.join(args)}: {p.stderr.strip()}")
-        return p.stdout
 
     def mount(self, ref: str, name: str) -> str:
         target = os.path.join(self.root, "mnt", name)
@@ -75,7 +64,7 @@ class Env:
                 self.unmount(target)
         for target in list(self.mounts):
             subprocess.run(["umount", "-l", target], capture_output=True)
-        subprocess.run([*STRATA, "serve", "--stop"], env=self.env, capture_output=True)
+        super().close()
 
 
 def _timed(fn: Callable[[], object]) -> float:

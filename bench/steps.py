@@ -22,30 +22,16 @@ import tempfile
 import time
 from typing import Any
 
+from bench.cli_env import STRATA, CliEnv
 from bench.report import row
 
-STRATA = [sys.executable, "-m", "strata"]
 TARGET_MS = {"none": 100.0, "gvisor": 500.0}  # PRODUCT.md: step overhead
 BASELINE_WHAT = {"none": "the command run directly", "bwrap": "the same bwrap, no strata",
                  "gvisor": "the same runsc bundle, no strata"}
 
 
-class Env:
-    """A store with its server and a volume `v`; the strata CLI pointed at it."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.store = os.path.join(root, "store")
-        self.env = {**os.environ, "STRATA_STORE": self.store,
-                    "STRATA_SCRATCH": os.path.join(root, "scratch"),
-                    "XDG_CACHE_HOME": os.path.join(root, "cache"),
-                    "STRATA_SERVER_IDLE_EXIT": "3600"}
-
-    def cli(self, *args: str) -> str:
-        p = subprocess.run([*STRATA, *args], env=self.env, capture_output=True, text=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"strata {' '.join(args)}: {p.stderr.strip()}")
-        return p.stdout
+class Env(CliEnv):
+    """A store with its server and a volume `v`, and steps started on it."""
 
     def start_step(self, sandbox: str, script: str) -> tuple[float, subprocess.Popen[str]]:
         argv = [*STRATA, "run", "--json", "--sandbox", sandbox, "-v", "v", "--", "sh", "-c",
@@ -53,9 +39,6 @@ class Env:
         t = time.time()
         return t, subprocess.Popen(argv, env=self.env, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
-
-    def close(self) -> None:
-        subprocess.run([*STRATA, "serve", "--stop"], env=self.env, capture_output=True)
 
 
 def _script(i: int) -> str:

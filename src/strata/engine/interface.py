@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from strata.engine.objects import SNAPSHOT, Entry, Snapshot
+from strata.engine.objects import Entry, Snapshot
 from strata.engine.tree import NodeCache
 
 
@@ -197,5 +197,3 @@ class Store(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-SNAPSHOT_KIND = SNAPSHOT

@@ -23,8 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import blake3
-
 from strata.engine import pack as packfmt
 from strata.engine.changes import rebase
 from strata.engine.errors import (
@@ -1108,6 +1106,3 @@ def _apply_op(op: list[Any], vols: set[str], refs: dict[tuple[str, str], str]) -
         else:
             refs[(op[1], op[2])] = op[4]
 
-
-def hash_file_id(data: bytes) -> str:
-    return blake3.blake3(data).hexdigest()

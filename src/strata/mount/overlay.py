@@ -458,14 +458,3 @@ def _same_file(e: Entry, lower: Entry | None) -> bool:
     return (e.size == lower.size and e.ref == lower.ref and e.data == lower.data
             and e.attrs() == lower.attrs() and e.mtime_ns == lower.mtime_ns)
 
-
-def walk_mounts(prefix: str) -> Iterator[str]:
-    """Mount points at or below `prefix`, deepest first."""
-    real = os.path.realpath(prefix)
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            mp = line.split()[4].encode().decode("unicode_escape")
-            if mp == real or mp.startswith(real + "/"):
-                found.append(mp)
-    yield from sorted(found, key=len, reverse=True)

@@ -23,7 +23,7 @@ from typing import Any
 
 import blake3
 
-from strata.engine.errors import InvalidInput, NotFound, StrataError
+from strata.engine.errors import NotFound
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.objects import K_DIR, Entry, FileNode, packb
 from strata.engine.tree import Trees
@@ -372,6 +372,3 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return True
 
-
-__all__ = ["MountState", "VolumeState", "commit", "status", "teardown", "find_mount",
-           "new_state", "mount_overlays", "has_uncommitted", "InvalidInput", "StrataError"]

@@ -20,7 +20,6 @@ from strata.engine.objects import (
     K_DIR,
     K_FILE,
     K_SYMLINK,
-    TREE,
     ZERO_ID,
     Entry,
     FileNode,
@@ -268,5 +267,3 @@ class SnapshotFS:
             out.append(blk[lo:hi])
         return b"".join(out)
 
-
-TREE_KIND = TREE

@@ -20,7 +20,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from strata.engine.errors import InvalidInput, StrataError, Unavailable
+from strata.engine.errors import InvalidInput, Unavailable
 from strata.engine.interface import ChangeSet, Lease, SnapshotInfo, Store
 from strata.engine.names import check_branch, check_volume
 from strata.engine.tree import NodeCache
@@ -286,6 +286,3 @@ class RemoteStore(Store):
     def close(self) -> None:
         self._drop_conn()
 
-
-def is_store_error(exc: BaseException) -> bool:
-    return isinstance(exc, StrataError)

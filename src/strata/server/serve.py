@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from strata.engine.errors import InvalidInput, StrataError, Unavailable
+from strata.engine.errors import InvalidInput, Unavailable
 from strata.engine.local import LocalStore, StoreConfig, read_store_meta
 from strata.server.app import ServerState, make_app
-from strata.server.client import _UnixConnection, default_socket, is_serving
+from strata.server.client import _UnixConnection, default_socket
 from strata.server.tokens import TokenStore
 
 
@@ -228,5 +228,3 @@ def stop_server(socket_path: str, timeout: float = 30.0) -> bool:
         time.sleep(0.05)
     raise Unavailable(f"server on {socket_path} did not stop within {timeout:g}s")
 
-
-__all__ = ["run_server", "stop_server", "is_serving", "default_socket", "StrataError"]

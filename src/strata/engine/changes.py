@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from strata.engine.errors import Conflict, InvalidInput
 from strata.engine.names import split_path
 from strata.engine.objects import K_DIR, Entry, check_entry
-from strata.engine.tree import Trees
+from strata.engine.tree import Trees, encode_name
 
 
 def parse_changes(changes: dict[str, Entry | None]
@@ -54,18 +54,44 @@ def _is_merge_dir(e: Entry | None) -> bool:
     return e is not None and e.kind == K_DIR and e.ref is None
 
 
+class _Resolver:
+    """Entries by path under one root, each directory looked up once per check."""
+
+    def __init__(self, trees: Trees, root: Entry) -> None:
+        self.trees = trees
+        self.memo: dict[tuple[str, ...], Entry | None] = {(): root}
+
+    def get(self, parts: tuple[str, ...]) -> Entry | None:
+        n = len(parts)
+        while parts[:n] not in self.memo:
+            n -= 1
+        cur = self.memo[parts[:n]]
+        for i in range(n, len(parts)):
+            if cur is not None and cur.kind == K_DIR and cur.ref is not None:
+                cur = self.trees.lookup(cur.ref, encode_name(parts[i]))
+            else:
+                cur = None
+            self.memo[parts[:i + 1]] = cur
+        return cur
+
+
 def find_conflicts(trees: Trees, base: Entry, head: Entry,
                    changes: Sequence[tuple[tuple[str, ...], Entry | None]]) -> list[str]:
     """Paths where our changes collide with what happened between base and head."""
     conflicts: list[str] = []
+    at_base, at_head = _Resolver(trees, base), _Resolver(trees, head)
     for parts, mine in changes:
         path = "/".join(parts)
         # Ancestors: the other side must not have removed or replaced a
         # directory our change lives in.
         bad_ancestor = None
+        untouched = False
         for i in range(1, len(parts)):
-            eb = trees.resolve(base, parts[:i])
-            eh = trees.resolve(head, parts[:i])
+            eb = at_base.get(parts[:i])
+            eh = at_head.get(parts[:i])
+            if eb is not None and eb == eh:
+                untouched = True  # same subtree on both sides: nothing below moved
+                break
             if eh is None or eh.kind == K_DIR:
                 if eb is not None and eb.kind == K_DIR and eh is None:
                     bad_ancestor = "/".join(parts[:i])
@@ -74,11 +100,13 @@ def find_conflicts(trees: Trees, base: Entry, head: Entry,
             if eb != eh:  # they made a non-directory here
                 bad_ancestor = "/".join(parts[:i])
                 break
+        if untouched:
+            continue
         if bad_ancestor is not None:
             conflicts += [bad_ancestor, path]
             continue
-        eb = trees.resolve(base, parts)
-        eh = trees.resolve(head, parts)
+        eb = at_base.get(parts)
+        eh = at_head.get(parts)
         if _is_merge_dir(mine):
             assert mine is not None
             if eh is None:

@@ -258,9 +258,7 @@ def commit(store: Store, state: MountState, *, message: str = "",
             continue
         changesets.append(ChangeSet(v.volume, v.branch, v.base, changes, message,
                                     dict(meta or {}), (leases or {}).get(v.name)))
-        for e in changes.values():
-            if e is not None and e.ref is not None and e.ref in scan.objects:
-                _collect(scan, e.ref, objects)
+        _needed(changes, scan, objects)
     uploaded, sent = _upload(store, objects)
     heads = store.publish(changesets, uploaded) if changesets else []
     published = {}
@@ -273,6 +271,20 @@ def commit(store: Store, state: MountState, *, message: str = "",
     state.save()
     return CommitResult(published, sum(len(c) for _v, c, _s in work), sent,
                         time.monotonic() - t0)
+
+
+def upload_changes(store: Store, changes: dict[str, Entry | None], scan: Scan
+                   ) -> list[tuple[int, bytes]]:
+    """Upload what `changes` needs and the store lacks; return what rides with the publish."""
+    objects: dict[bytes, ObjectSet] = {}
+    _needed(changes, scan, objects)
+    return _upload(store, objects)[0]
+
+
+def _needed(changes: dict[str, Entry | None], scan: Scan, out: dict[bytes, ObjectSet]) -> None:
+    for e in changes.values():
+        if e is not None and e.ref is not None and e.ref in scan.objects:
+            _collect(scan, e.ref, out)
 
 
 def _collect(scan: Scan, ref: bytes, out: dict[bytes, ObjectSet]) -> None:

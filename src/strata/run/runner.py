@@ -28,6 +28,7 @@ from strata.mount.session import (
     pending,
     scratch_root,
     teardown,
+    upload_changes,
 )
 from strata.run.sandbox import build_command, run_command
 from strata.run.spec import VolumeSpec
@@ -207,9 +208,7 @@ def _keep_rejected(store: Store, state: MountState, result: StepResult, msg: str
             continue
         with contextlib.suppress(StrataError):
             store.fork(v.volume, branch, at=v.pinned)
-            objects = [scan.objects[o] for o in scan.objects]
-            lacking = set(store.missing([o for o in scan.objects]))
-            upload = [o for o, oid in zip(objects, scan.objects, strict=True) if oid in lacking]
+            upload = upload_changes(store, changes, scan)  # batched, bounded memory
             (sid,) = store.publish([ChangeSet(v.volume, branch, v.pinned, changes,
                                               f"rejected: {msg}", meta)], upload)
             result.rejected[v.name] = sid

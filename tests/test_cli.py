@@ -235,6 +235,20 @@ def test_stale_base_puts_replay_and_conflicts_are_named(cli: Cli) -> None:
     assert cli.out("ls", "v").splitlines() == ["one.txt", "shared.txt", "two.txt"]
 
 
+def test_both_sides_deleting_a_path_conflicts_unless_merge_identical(cli: Cli) -> None:
+    """Two consumers removing one job file: the second learns it lost the race."""
+    cli.run("volume", "create", "v")
+    cli.out("put", "v", "job-1", input=b"work")
+    base = cli.out("put", "v", "job-2", input=b"work")
+    cli.out("rm", "v", "job-1")
+    head = cli.head("v")
+    p = cli.run("rm", "v", "job-1", "--base", base, rc=3)
+    assert p.stderr.strip().splitlines()[1:] == ["job-1"]
+    assert cli.head("v") == head
+    cli.out("rm", "v", "job-1", "--base", base, "--merge-identical")
+    assert cli.out("ls", "v").splitlines() == ["job-2"]
+
+
 def test_fsck(cli: Cli) -> None:
     cli.run("volume", "create", "v")
     cli.out("put", "v", "f", input=b"x" * 100_000)

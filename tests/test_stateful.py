@@ -2,16 +2,20 @@
 
 The model is plain data: volume -> branch -> the branch's snapshots, oldest
 first, each a dict of file path -> bytes. Publishes go through `Transaction`
-from the branch head or from an older (stale) snapshot of the branch; the
-model decides on its own whether that conflicts: exactly when a path the
-publish writes or removes was changed between base and head to something
-other than what this publish wants there. After every step the store's
-volumes, branches, trees and log chains must equal the model, including
-after the store is closed and opened again.
+from the branch head or from an older (stale) snapshot of the branch, and
+in racing pairs: two transactions from one snapshot that write equal values
+to the same paths, the way two read-modify-writes with equal results do. The
+model decides on its own whether a publish conflicts: exactly when a path it
+writes or removes was changed between base and head (first committer wins,
+whatever the bytes), unless it opted into `identical` and the head already
+holds what it wants there. After every step the store's volumes, branches,
+trees and log chains must equal the model, including after the store is
+closed and opened again.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
@@ -108,32 +112,64 @@ class StoreMachine(RuleBasedStateMachine):
         branches[new] = list(history)
 
     @precondition(lambda self: bool(self.branches()))
-    @rule(data=st.data(), keys=CHANGES)
-    def publish_from_head(self, data: st.DataObject, keys: dict[str, str | None]) -> None:
+    @rule(data=st.data(), keys=CHANGES, identical=st.booleans())
+    def publish_from_head(self, data: st.DataObject, keys: dict[str, str | None],
+                          identical: bool) -> None:
         volume, branch = data.draw(st.sampled_from(self.branches()), label="branch")
         history = self.model[volume][branch]
-        self.publish(volume, branch, len(history) - 1, keys)
+        self.publish(volume, branch, len(history) - 1, keys, identical)
 
     @precondition(lambda self: bool(self.stale_branches()))
-    @rule(data=st.data(), keys=CHANGES)
-    def publish_from_stale_base(self, data: st.DataObject, keys: dict[str, str | None]) -> None:
+    @rule(data=st.data(), keys=CHANGES, identical=st.booleans())
+    def publish_from_stale_base(self, data: st.DataObject, keys: dict[str, str | None],
+                                identical: bool) -> None:
         volume, branch = data.draw(st.sampled_from(self.stale_branches()), label="branch")
         history = self.model[volume][branch]
         base = data.draw(st.integers(0, len(history) - 2), label="base")
-        self.publish(volume, branch, base, keys)
+        self.publish(volume, branch, base, keys, identical)
+
+    @precondition(lambda self: bool(self.branches()))
+    @rule(data=st.data(), keys=CHANGES, extra=st.sampled_from(PATHS),
+          identical=st.booleans())
+    def racing_equal_writes(self, data: st.DataObject, keys: dict[str, str | None],
+                            extra: str, identical: bool) -> None:
+        """Two transactions from one snapshot write the same values; the second may add one."""
+        volume, branch = data.draw(st.sampled_from(self.branches()), label="branch")
+        history = self.model[volume][branch]
+        i = data.draw(st.integers(0, len(history) - 1), label="base")
+        base_sid, base = history[i]
+        first = self.wanted(base, keys)
+        second = dict(first)
+        if extra not in second:
+            second[extra] = b"second"
+        t1 = self.stage(volume, branch, base_sid, first, identical=False)
+        t2 = self.stage(volume, branch, base_sid, second, identical=identical)
+        event("racing pair, identical opt-in" if identical else "racing pair")
+        self.commit(t1, volume, branch, base, first, identical=False)
+        self.commit(t2, volume, branch, base, second, identical=identical)
 
     def stale_branches(self) -> list[tuple[str, str]]:
         return [(v, b) for v, b in self.branches() if len(self.model[v][b]) > 1]
 
-    def publish(self, volume: str, branch: str, i: int, keys: dict[str, str | None]) -> None:
+    @staticmethod
+    def wanted(base: Files, keys: dict[str, str | None]) -> dict[str, bytes | None]:
+        # Only files the base has can be removed (the transaction refuses the rest).
+        return {p: None if k is None else VALUES[k] for p, k in keys.items()
+                if k is not None or p in base}
+
+    def publish(self, volume: str, branch: str, i: int, keys: dict[str, str | None],
+                identical: bool) -> None:
         history = self.model[volume][branch]
         base_sid, base = history[i]
-        head_sid, head = history[-1]
-        # Only files the base has can be removed (the transaction refuses the rest).
-        changes = {p: None if k is None else VALUES[k] for p, k in keys.items()
-                   if k is not None or p in base}
+        changes = self.wanted(base, keys)
         event("publish from a stale base" if i < len(history) - 1 else "publish from the head")
+        t = self.stage(volume, branch, base_sid, changes, identical=identical)
+        self.commit(t, volume, branch, base, changes, identical=identical)
+
+    def stage(self, volume: str, branch: str, base_sid: str, changes: dict[str, bytes | None],
+              *, identical: bool) -> Transaction:
         t = Transaction(self.store, volume, branch, base=base_sid)
+        t.identical = identical
         for path in sorted(changes):
             value = changes[path]
             if value is None:
@@ -143,15 +179,24 @@ class StoreMachine(RuleBasedStateMachine):
             for n in range(1, len(parts)):
                 t.mkdir("/".join(parts[:n]), exist_ok=True, mtime_ns=0)
             t.write(path, value, mtime_ns=0)
+        return t
 
+    def commit(self, t: Transaction, volume: str, branch: str, base: Files,
+               changes: dict[str, bytes | None], *, identical: bool) -> None:
+        history = self.model[volume][branch]
+        head_sid, head = history[-1]
         conflicts = sorted(p for p, v in changes.items()
-                           if base.get(p) != head.get(p) and head.get(p) != v)
+                           if base.get(p) != head.get(p)
+                           and not (identical and head.get(p) == v))
         if conflicts:
             with pytest.raises(Conflict) as info:
                 t.commit()
             assert info.value.paths == conflicts
             event("publish conflicted")
             return
+        if identical and any(base.get(p) != head.get(p) for p in changes):
+            event("identical result accepted by opt-in")
+        stale = t.base != head_sid
         sid = t.commit()
         new = dict(head)
         for p, v in changes.items():
@@ -163,7 +208,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert sid == head_sid  # nothing changed: the branch does not move
             event("publish changed nothing")
             return
-        if i < len(history) - 1:
+        if stale:
             event("stale publish replayed")
         assert sid != head_sid
         history.append((sid, new))
@@ -216,6 +261,7 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=40, deadline=None,
+    max_examples=int(os.environ.get("STRATA_STATEFUL_EXAMPLES", "100")),
+    stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_store_state_machine = StoreMachine.TestCase

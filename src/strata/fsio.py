@@ -151,7 +151,7 @@ def _read_file(cw: ContentWriter, path: str) -> tuple[int, bytes | None, bytes |
 
 def import_dir(store: Store, volume: str, branch: str, src_dir: str, *,
                base: str | None = None, message: str = "",
-               progress: Progress | None = None) -> str:
+               progress: Progress | None = None, identical: bool = False) -> str:
     """Make the branch's tree equal to `src_dir`, as one change set; return the new head.
 
     The change set holds only what differs from `base` (default: the branch
@@ -260,7 +260,8 @@ def import_dir(store: Store, volume: str, branch: str, src_dir: str, *,
     if progress is not None:
         progress(done, total)
     cw.flush()
-    (sid,) = store.publish([ChangeSet(volume, branch, base, changes, message)])
+    (sid,) = store.publish([ChangeSet(volume, branch, base, changes, message,
+                                      identical=identical)])
     return sid
 
 

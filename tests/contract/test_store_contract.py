@@ -42,9 +42,11 @@ Files = dict[str, bytes | None]
 
 
 def put(store: Store, volume: str, files: Files, *, branch: str = "live",
-        base: str | None = None, message: str = "", dirs: tuple[str, ...] = ()) -> str:
+        base: str | None = None, message: str = "", dirs: tuple[str, ...] = (),
+        identical: bool = False) -> str:
     """Publish writes (bytes) and removals (None) as one change set; return the new head."""
     t = Transaction(store, volume, branch, base=base)
+    t.identical = identical
     for d in dirs:
         t.mkdir(d, parents=True, exist_ok=True)
     for path, data in files.items():
@@ -316,12 +318,54 @@ def test_replay_of_disjoint_changes_onto_a_moved_head(store: Store) -> None:
     assert ids(store, sid)[1:3] == [theirs, base]
 
 
-def test_same_change_on_both_sides_is_no_conflict(store: Store) -> None:
+def test_same_change_on_both_sides_conflicts_first_committer_wins(store: Store) -> None:
+    """Two read-modify-writes with equal results are two updates: the second conflicts."""
     store.create_volume("v")
-    base = put(store, "v", {"a": b"0", "gone": b"g"})
-    put(store, "v", {"a": b"same", "gone": None})
-    sid = put(store, "v", {"a": b"same", "gone": None}, base=base)
-    assert tree(store, "v", sid) == {"a": b"same"}
+    base = put(store, "v", {"a": b"0", "gone": b"g", "other": b"o"})
+    head = put(store, "v", {"a": b"same", "gone": None})
+    with pytest.raises(Conflict) as info:
+        put(store, "v", {"a": b"same", "gone": None, "other": b"mine"}, base=base)
+    assert info.value.paths == ["a", "gone"]
+    assert store.head("v", "live") == head
+    # Disjoint changes from the same stale base still replay.
+    sid = put(store, "v", {"other": b"mine"}, base=base)
+    assert tree(store, "v", sid) == {"a": b"same", "other": b"mine"}
+
+
+def test_identical_results_are_accepted_only_by_opt_in(store: Store) -> None:
+    store.create_volume("v")
+    base = put(store, "v", {"a": b"0", "gone": b"g", "b": b"0"})
+    head = put(store, "v", {"a": b"same", "gone": None, "b": b"theirs"})
+    sid = put(store, "v", {"a": b"same", "gone": None, "new": b"n"}, base=base, identical=True)
+    assert tree(store, "v", sid) == {"a": b"same", "b": b"theirs", "new": b"n"}
+    assert store.snapshot(sid).parent == head
+    # The opt-in accepts equal results only: a different value still conflicts.
+    with pytest.raises(Conflict) as info:
+        put(store, "v", {"a": b"same", "b": b"mine"}, base=base, identical=True)
+    assert info.value.paths == ["b"]
+
+
+def test_a_retried_publish_that_landed_answers_its_own_snapshots(store: Store) -> None:
+    """The same publish id sent again (a lost answer) finds its work instead of conflicting."""
+    store.create_volume("a")
+    store.create_volume("b")
+    base_a, base_b = store.head("a", "live"), store.head("b", "live")
+    f = Entry(kind=K_FILE, mode=0o644, size=1, data=b"1", mtime_ns=5)
+    sets = [ChangeSet("a", "live", base_a, {"n": f}), ChangeSet("b", "live", base_b, {"n": f})]
+    txid = os.urandom(16)
+    first = store.publish(sets, txid=txid)
+    later = put(store, "a", {"other": b"x"})  # someone publishes in between
+    assert store.publish(sets, txid=txid) == first
+    assert store.head("a", "live") == later and store.head("b", "live") == first[1]
+    assert store.snapshot(first[0]).tx == txid
+    # Another publish of the same change is a second writer of `n`: a conflict.
+    with pytest.raises(Conflict) as info:
+        store.publish(sets, txid=os.urandom(16))
+    assert info.value.paths == ["a:n", "b:n"]
+    with pytest.raises(Conflict):
+        store.publish(sets)
+    with pytest.raises(InvalidInput):
+        store.publish(sets, txid=b"short")
 
 
 def test_conflict_lists_every_path_and_publishes_nothing(store: Store) -> None:

@@ -44,6 +44,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     c.add_argument("--volume", action="append", dest="volumes", metavar="NAME",
                    help="commit only this volume of a multi-volume mount (repeatable); "
                         "by default all change in one atomic commit")
+    c.add_argument("--merge-identical", action="store_true",
+                   help="accept a path the head already holds exactly as this mount has it; by "
+                        "default any path changed since the mount's snapshot conflicts (only "
+                        "for idempotent jobs: for a read-modify-write it loses an update)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_commit)
 
@@ -142,7 +146,8 @@ def cmd_commit(args: argparse.Namespace) -> int:
     from strata.mount.session import commit
     state = _state(args)
     with _store_for(args, state) as store:
-        result = commit(store, state, message=args.message, names=args.volumes)
+        result = commit(store, state, message=args.message, names=args.volumes,
+                        identical=args.merge_identical)
     if args.json:
         print_json({"published": result.published, "changed": result.changed_paths,
                     "uploaded_bytes": result.uploaded_bytes, "seconds": result.seconds})

@@ -24,6 +24,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="memory limit (suffixes K, M, G allowed)")
     p.add_argument("--network", action="store_true", help="allow network access")
     p.add_argument("-m", "--message", default=None)
+    p.add_argument("--merge-identical", action="store_true",
+                   help="accept a path the head already holds exactly as this step left it; by "
+                        "default any path changed since the step's snapshot conflicts (only "
+                        "for idempotent jobs: for a read-modify-write it loses an update)")
     p.add_argument("--json", action="store_true")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     p.set_defaults(func=cmd_run)
@@ -53,7 +57,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InvalidInput("a volume appears twice")
     with open_remote(args) as store:
         result = run_step(store, specs, argv, sandbox=args.sandbox, timeout=args.timeout,
-                          memory=args.memory, network=args.network, message=args.message)
+                          memory=args.memory, network=args.network, message=args.message,
+                          identical=args.merge_identical)
     if args.json:
         print_json({"status": result.status, "published": result.published,
                     "conflicts": result.conflicts, "run": result.run_id,

@@ -57,6 +57,10 @@ def _base_and_message(p: argparse.ArgumentParser) -> None:
                    help="make the change against this snapshot (id or prefix) instead of "
                         "the branch head; it is replayed onto the head or conflicts")
     p.add_argument("-m", dest="message", metavar="MSG", help="snapshot message")
+    p.add_argument("--merge-identical", action="store_true",
+                   help="accept a path the head already holds exactly as written here; by "
+                        "default any path changed since the base conflicts (only for "
+                        "idempotent jobs: for a read-modify-write it loses an update)")
 
 
 def cmd_put(args: argparse.Namespace) -> int:
@@ -70,6 +74,7 @@ def cmd_put(args: argparse.Namespace) -> int:
         data = sys.stdin.buffer.read()
     with open_store(args) as store:
         txn = Transaction(store, ref.volume, branch, base=resolve_base(store, args.base))
+        txn.identical = args.merge_identical
         if len(parts) > 1:
             txn.mkdir("/".join(parts[:-1]), parents=True, exist_ok=True)
         txn.write(args.path, data)
@@ -84,6 +89,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     split_path(args.path)
     with open_store(args) as store:
         txn = Transaction(store, ref.volume, branch, base=resolve_base(store, args.base))
+        txn.identical = args.merge_identical
         txn.remove(args.path, recursive=args.recursive)
         sid = txn.commit(args.message if args.message is not None else f"rm {args.path}")
     print(sid)
@@ -118,7 +124,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         base = resolve_base(store, args.base)
         with _progress_bar(sys.stderr.isatty()) as progress:
             sid = import_dir(store, ref.volume, branch, src, base=base, message=message,
-                             progress=progress)
+                             progress=progress, identical=args.merge_identical)
     print(sid)
     return 0
 

@@ -6,6 +6,13 @@ has moved, each changed path is checked against what the other side did
 between base and head; if no path collides the changes are applied to the new
 head (replay), otherwise `Conflict` names every colliding path. The rules are
 written out in docs/design.md ("Replay and conflicts").
+
+The isolation level is snapshot isolation with first-committer-wins: a path
+that both sides wrote conflicts even when both wrote the same bytes, because
+two read-modify-writes that compute the same result (two increments of one
+counter in the same clock tick) would otherwise both be accepted and one of
+them lost without a trace. `identical=True` (an explicit opt-in for
+idempotent jobs) accepts equal results instead.
 """
 
 from __future__ import annotations
@@ -46,10 +53,6 @@ def parse_changes(changes: dict[str, Entry | None]
     return out
 
 
-def _same(a: Entry | None, b: Entry | None) -> bool:
-    return a == b
-
-
 def _is_merge_dir(e: Entry | None) -> bool:
     return e is not None and e.kind == K_DIR and e.ref is None
 
@@ -76,8 +79,13 @@ class _Resolver:
 
 
 def find_conflicts(trees: Trees, base: Entry, head: Entry,
-                   changes: Sequence[tuple[tuple[str, ...], Entry | None]]) -> list[str]:
-    """Paths where our changes collide with what happened between base and head."""
+                   changes: Sequence[tuple[tuple[str, ...], Entry | None]], *,
+                   identical: bool = False) -> list[str]:
+    """Paths where our changes collide with what happened between base and head.
+
+    `identical` accepts a path both sides set to exactly the same entry (or
+    both deleted); by default that is a conflict like any other.
+    """
     conflicts: list[str] = []
     at_base, at_head = _Resolver(trees, base), _Resolver(trees, head)
     for parts, mine in changes:
@@ -115,29 +123,31 @@ def find_conflicts(trees: Trees, base: Entry, head: Entry,
                 continue
             if eh.kind == K_DIR:
                 if eb is None or eb.kind != K_DIR:
+                    # Both created it: a directory is a container, so equal
+                    # attributes merge and the children are checked one by one.
                     if eh.attrs() != mine.attrs():
                         conflicts.append(path)  # both created it, differently
-                elif eh.attrs() != eb.attrs() and eh.attrs() != mine.attrs():
+                elif eh.attrs() != eb.attrs() and mine.attrs() != eb.attrs() and not (
+                        identical and eh.attrs() == mine.attrs()):
                     conflicts.append(path)  # both changed its attributes
                 continue
             if eb != eh:
                 conflicts.append(path)
             continue
-        if _same(eb, eh):
+        if eb == eh:
             continue  # the other side left this path (and all below it) alone
-        if mine is not None and eh is not None and _same(eh, mine):
-            continue  # both sides made the same change
-        if mine is None and eh is None:
-            continue  # both deleted it
-        conflicts.append(path)
+        if identical and eh == mine:
+            continue  # both sides made the same change (or both deleted it), by opt-in
+        conflicts.append(path)  # first committer wins, whatever the bytes
     return conflicts
 
 
-def rebase(trees: Trees, base: Entry, head: Entry, changes: dict[str, Entry | None]) -> Entry:
+def rebase(trees: Trees, base: Entry, head: Entry, changes: dict[str, Entry | None], *,
+           identical: bool = False) -> Entry:
     """The new root: `changes` (made against `base`) applied to `head`."""
     parsed = parse_changes(changes)
     if base != head:
-        conflicts = find_conflicts(trees, base, head, parsed)
+        conflicts = find_conflicts(trees, base, head, parsed, identical=identical)
         if conflicts:
             raise Conflict(conflicts)
     # With nobody else in between, a directory's mtime is ours (utimes may move it

@@ -42,6 +42,10 @@ class ChangeSet:
     message: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     lease: int | None = None   # fencing token of the lease held on the branch, if any
+    # Accept a path the head already holds exactly as this change set wants it.
+    # Off by default: two read-modify-writes with equal results are two updates,
+    # and accepting both loses one. Only for jobs whose results are idempotent.
+    identical: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +56,11 @@ class SnapshotInfo:
     message: str
     meta: dict[str, Any]
     root: Entry
+    tx: bytes | None = None  # the publish that made it, if it recorded one
 
     @classmethod
     def of(cls, sid: str, snap: Snapshot) -> SnapshotInfo:
-        return cls(sid, snap.parent, snap.time_ns, snap.message, snap.meta, snap.root)
+        return cls(sid, snap.parent, snap.time_ns, snap.message, snap.meta, snap.root, snap.tx)
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "parent": self.parent, "time": self.time_ns / 1e9,
@@ -115,6 +120,15 @@ class Store(ABC):
             from strata.engine.errors import NotFound
             raise NotFound(f"no branch {branch!r} in volume {volume!r}")
         return heads[branch]
+
+    def heads(self, refs: Sequence[tuple[str, str]]) -> list[str]:
+        """The heads of several (volume, branch) pairs, read at one instant.
+
+        A run that reads several volumes must see a multi-volume publish on
+        all of them or on none; reading the heads one by one could fall
+        between. Implementations override this to read them atomically.
+        """
+        return [self.head(v, b) for v, b in refs]
 
     @abstractmethod
     def fork(self, volume: str, new_branch: str, *, at: str | None) -> str:
@@ -178,7 +192,8 @@ class Store(ABC):
 
     @abstractmethod
     def publish(self, changesets: Sequence[ChangeSet],
-                objects: Sequence[tuple[int, bytes]] = ()) -> list[str]:
+                objects: Sequence[tuple[int, bytes]] = (), *,
+                txid: bytes | None = None) -> list[str]:
         """Publish change sets on one or more branches atomically.
 
         `objects` are (kind, raw) objects the change sets refer to that the
@@ -186,6 +201,11 @@ class Store(ABC):
         change sets then cost one request). Returns the new head of each
         branch, in order. All land or none does; `Conflict` lists every
         conflicting path.
+
+        `txid` (16 bytes) names this publish so that it can be retried after
+        an answer was lost: the snapshots record it, and a retry of a publish
+        that already landed returns the snapshots it made instead of a
+        conflict with itself.
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook

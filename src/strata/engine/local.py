@@ -51,6 +51,7 @@ from strata.engine.objects import (
     KIND_NAMES,
     SNAPSHOT,
     TREE,
+    TXID_LEN,
     Entry,
     Snapshot,
     object_id,
@@ -645,6 +646,21 @@ class LocalStore(Store):
             raise NotFound(f"no branch {branch!r} in volume {volume!r}")
         return sid
 
+    def heads(self, refs: Sequence[tuple[str, str]]) -> list[str]:
+        self._check_open()
+        current = self._refs  # swapped whole when commits become durable: one instant
+        out = []
+        for volume, branch in refs:
+            check_volume(volume)
+            check_branch(branch)
+            sid = current.get((volume, branch))
+            if sid is None:
+                if volume not in self._vols:
+                    raise NotFound(f"no volume {volume!r}")
+                raise NotFound(f"no branch {branch!r} in volume {volume!r}")
+            out.append(sid)
+        return out
+
     def create_volume(self, name: str) -> str:
         check_volume(name)
         with self._branch_lock(name, "live"):
@@ -787,11 +803,13 @@ class LocalStore(Store):
             return lock
 
     def publish(self, changesets: Sequence[ChangeSet],
-                objects: Sequence[tuple[int, bytes]] = ()) -> list[str]:
-        return self.publish_detailed(changesets, objects)[0]
+                objects: Sequence[tuple[int, bytes]] = (), *,
+                txid: bytes | None = None) -> list[str]:
+        return self.publish_detailed(changesets, objects, txid=txid)[0]
 
     def publish_detailed(self, changesets: Sequence[ChangeSet],
-                         objects: Sequence[tuple[int, bytes]] = ()
+                         objects: Sequence[tuple[int, bytes]] = (), *,
+                         txid: bytes | None = None
                          ) -> tuple[list[str], dict[bytes, bytes]]:
         """`publish`, also returning the tree nodes it wrote (id -> raw).
 
@@ -801,6 +819,8 @@ class LocalStore(Store):
         self._check_usable()
         if not changesets:
             raise InvalidInput("nothing to publish")
+        if txid is not None and (not isinstance(txid, bytes) or len(txid) != TXID_LEN):
+            raise InvalidInput(f"a publish id is {TXID_LEN} bytes")
         keys = []
         for cs in changesets:
             check_volume(cs.volume)
@@ -844,8 +864,14 @@ class LocalStore(Store):
                 base_root = self.snapshot(cs.base).root
                 head_root = base_root if head == cs.base else self.snapshot(head).root
                 try:
-                    root = rebase(trees, base_root, head_root, cs.changes)
+                    root = rebase(trees, base_root, head_root, cs.changes,
+                                  identical=cs.identical)
                 except Conflict as exc:
+                    landed = self._landed(changesets, txid) if txid is not None else None
+                    if landed is not None:  # a retry of a publish that went through
+                        results, ops, conflicts = landed, [], []
+                        trees.new.clear()
+                        break
                     # Keep checking the other branches: the caller hears every path.
                     label = f"{cs.volume}:" if len(changesets) > 1 else ""
                     conflicts += [label + p for p in exc.paths]
@@ -856,7 +882,7 @@ class LocalStore(Store):
                     results.append(head)
                     continue
                 raw = Snapshot(root=root, parent=head, time_ns=time.time_ns(),
-                               message=cs.message, meta=cs.meta).encode()
+                               message=cs.message, meta=cs.meta, tx=txid).encode()
                 sid = object_id(SNAPSHOT, raw).hex()
                 new_objects.append((SNAPSHOT, raw))
                 ops.append(["ref", cs.volume, cs.branch, head, sid])
@@ -876,6 +902,29 @@ class LocalStore(Store):
             self._publish_done()
         self._wait_durable(pos)
         return results, trees.new
+
+    def _landed(self, changesets: Sequence[ChangeSet], txid: bytes) -> list[str] | None:
+        """The snapshots an earlier attempt of publish `txid` made, if it went through.
+
+        A retried publish whose first answer was lost meets its own changes
+        on the head and would conflict with itself. Its snapshots carry the
+        publish id; each branch's history is searched from the head back to
+        the change set's base (callers hold the branch locks, and only a
+        conflicting publish pays for the walk). A publish is atomic, so it
+        landed on every branch or on none.
+        """
+        found: list[str] = []
+        for cs in changesets:
+            cur: str | None = self._pending_refs.get((cs.volume, cs.branch))
+            while cur is not None and cur != cs.base:
+                info = self.snapshot(cur)
+                if info.tx == txid:
+                    found.append(cur)
+                    break
+                cur = info.parent
+            else:
+                return None
+        return found
 
     def _publish_done(self) -> None:
         with self._cond:

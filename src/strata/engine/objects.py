@@ -194,6 +194,10 @@ class TreeNode:
         return self.children[0][0] if self.children else b""
 
 
+SNAPSHOT_VERSIONS = (1, 2)  # 2 adds "tx", the id of the publish that made the snapshot
+TXID_LEN = 16
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """An immutable version of a volume: its root directory plus history."""
@@ -203,18 +207,30 @@ class Snapshot:
     time_ns: int
     message: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    tx: bytes | None = None  # the publish that made it (see Store.publish), version 2 on
 
     def encode(self) -> bytes:
-        return packb({"v": 1, "root": self.root.to_list(), "parent": self.parent,
-                      "time": self.time_ns, "msg": self.message, "meta": self.meta})
+        body = {"v": 1, "root": self.root.to_list(), "parent": self.parent,
+                "time": self.time_ns, "msg": self.message, "meta": self.meta}
+        if self.tx is not None:  # without one, version 1: the empty snapshot keeps its id
+            body["v"] = 2
+            body["tx"] = self.tx
+        return packb(body)
 
     @classmethod
     def decode(cls, raw: bytes) -> Snapshot:
         v = unpackb(raw)
-        if not isinstance(v, dict) or v.get("v") != 1:
+        if not isinstance(v, dict) or v.get("v") not in SNAPSHOT_VERSIONS:
+            version = v.get("v") if isinstance(v, dict) else None
+            if isinstance(version, int) and version > max(SNAPSHOT_VERSIONS):
+                raise ValueError(f"snapshot format version {version} is newer than this "
+                                 f"strata reads ({max(SNAPSHOT_VERSIONS)}); upgrade strata")
             raise ValueError("malformed snapshot")
+        tx = v.get("tx") if v["v"] >= 2 else None
+        if tx is not None and (not isinstance(tx, bytes) or len(tx) != TXID_LEN):
+            raise ValueError("malformed snapshot: bad publish id")
         return cls(root=Entry.from_list(v["root"]), parent=v["parent"], time_ns=int(v["time"]),
-                   message=str(v["msg"]), meta=dict(v["meta"]))
+                   message=str(v["msg"]), meta=dict(v["meta"]), tx=tx)
 
 
 EMPTY_TREE = TreeNode(0).encode()

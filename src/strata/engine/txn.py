@@ -204,6 +204,7 @@ class Transaction:
         self.trees = Trees(self.content, cache if cache is not None else store.node_cache)
         self._base_root: Entry | None = store.snapshot(self.base).root
         self.lease: int | None = None  # fencing token sent with every publish, if set
+        self.identical = False  # accept paths the head already holds as we want them
         self.changes: dict[str, Entry | None] = {}
         self._children: dict[str, set[str]] = {}
 
@@ -504,13 +505,13 @@ class Transaction:
     def changeset(self, message: str = "", meta: dict[str, Any] | None = None) -> ChangeSet:
         self.content.flush()
         return ChangeSet(self.volume, self.branch, self.base, dict(self.changes), message,
-                         dict(meta or {}), self.lease)
+                         dict(meta or {}), self.lease, self.identical)
 
     def _prepared(self, message: str, meta: dict[str, Any] | None
                   ) -> tuple[ChangeSet, list[tuple[int, bytes]]]:
         objects = self.content.take()
         cs = ChangeSet(self.volume, self.branch, self.base, dict(self.changes), message,
-                       dict(meta or {}), self.lease)
+                       dict(meta or {}), self.lease, self.identical)
         return cs, objects
 
     def commit(self, message: str = "", meta: dict[str, Any] | None = None) -> str:

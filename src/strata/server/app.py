@@ -299,6 +299,27 @@ async def list_branches(request: web.Request) -> web.Response:
     return web.json_response({"branches": heads})
 
 
+MAX_HEADS = 256
+
+
+async def heads(request: web.Request) -> web.Response:
+    """Several branches' heads read at one instant (a run's consistent view)."""
+    store = request.app[STATE].need_store()
+    refs = _field(await _json(request), "refs", list)
+    if not 0 < len(refs) <= MAX_HEADS:
+        raise InvalidInput(f"'refs' must list 1 to {MAX_HEADS} [volume, branch] pairs")
+    pairs = []
+    scope = _scope(request)
+    for item in refs:
+        if not (isinstance(item, list) and len(item) == 2
+                and all(isinstance(x, str) for x in item)):
+            raise InvalidInput("each of 'refs' must be a [volume, branch] pair of strings")
+        volume, branch = check_volume(item[0]), check_branch(item[1])
+        scope.check_branch(volume, branch, write=False)
+        pairs.append((volume, branch))
+    return web.json_response({"heads": store.heads(pairs)})
+
+
 async def fork(request: web.Request) -> web.Response:
     state = request.app[STATE]
     volume = check_volume(request.match_info["volume"])
@@ -364,7 +385,7 @@ async def _check_visible(request: web.Request, volume: str, sid: str) -> None:
 
 async def publish(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    changesets, objects = wire.decode_publish(await _body(request))
+    changesets, objects, txid = wire.decode_publish(await _body(request))
     scope = _scope(request)
     for cs in changesets:
         scope.check_branch(cs.volume, cs.branch, write=True)
@@ -373,7 +394,7 @@ async def publish(request: web.Request) -> web.Response:
     store = state.need_store()
 
     def run() -> dict[str, Any]:
-        heads, nodes = store.publish_detailed(changesets, objects)
+        heads, nodes = store.publish_detailed(changesets, objects, txid=txid)
         return {"heads": heads, "prefetch": _prefetch(store, heads, nodes)}
 
     return web.json_response(await state.run(run))
@@ -505,6 +526,7 @@ def make_app(state: ServerState) -> web.Application:
     r.add_get("/v1/volumes", list_volumes)
     r.add_post("/v1/volumes", create_volume)
     r.add_delete("/v1/volumes/{volume}", delete_volume)
+    r.add_post("/v1/heads", heads)
     r.add_get("/v1/volumes/{volume}/branches", list_branches)
     r.add_post("/v1/volumes/{volume}/branches", fork)
     r.add_delete("/v1/volumes/{volume}/branches/{branch:.+}", delete_branch)

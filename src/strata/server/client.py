@@ -3,8 +3,9 @@
 Connections are kept alive, one per thread. A 503 (the store is changing
 owner) or a refused connection is retried with backoff until `retry_for`
 seconds have passed, so a handoff is invisible to callers. Retrying a publish
-is safe: a change set that already landed replays onto itself as "both sides
-made the same change" and publishes nothing new.
+is safe: every publish carries a random publish id, and a retry of one that
+already landed gets the snapshots it made (instead of a conflict with itself)
+and publishes nothing new.
 """
 
 from __future__ import annotations
@@ -226,6 +227,10 @@ class RemoteStore(Store):
         return dict(self._json("GET", f"/v1/volumes/{check_volume(volume)}/branches")[
             "branches"])
 
+    def heads(self, refs: Sequence[tuple[str, str]]) -> list[str]:
+        pairs = [[check_volume(v), check_branch(b)] for v, b in refs]
+        return [str(h) for h in self._json("POST", "/v1/heads", {"refs": pairs})["heads"]]
+
     def fork(self, volume: str, new_branch: str, *, at: str | None) -> str:
         check_volume(volume)
         check_branch(new_branch)
@@ -254,12 +259,14 @@ class RemoteStore(Store):
                    {"branch": branch, "fencing": fencing})
 
     def publish(self, changesets: Sequence[ChangeSet],
-                objects: Sequence[tuple[int, bytes]] = ()) -> list[str]:
+                objects: Sequence[tuple[int, bytes]] = (), *,
+                txid: bytes | None = None) -> list[str]:
         if not changesets:
             raise InvalidInput("nothing to publish")
-        _s, _h, data = self.request("POST", "/v1/publish",
-                                    wire.encode_publish(changesets, objects),
-                                    "application/msgpack")
+        # One id for every attempt of this publish: `request` may send it again
+        # after a lost answer, and the store recognises its own work.
+        body = wire.encode_publish(changesets, objects, txid=txid or os.urandom(16))
+        _s, _h, data = self.request("POST", "/v1/publish", body, "application/msgpack")
         reply = json.loads(data)
         for oid, raw64 in reply.get("prefetch") or ():
             self._prefetched(oid, base64.b64decode(raw64))

@@ -127,6 +127,14 @@ OPENAPI: dict[str, Any] = {
                      "responses": {**_ok(_obj({"name": {"type": "string"}, "head": HEX64},
                                               ["name", "head"]), 201),
                                    **_err(400, 401, 403, 404, 409, 503)}}},
+        "/v1/heads": {"post": {
+            "summary": "the heads of several branches, read at one instant",
+            "requestBody": _json_body(_obj({"refs": {
+                "type": "array", "minItems": 1, "maxItems": 256,
+                "items": {"type": "array", "minItems": 2, "maxItems": 2,
+                          "items": {"type": "string"}}}}, ["refs"])),
+            "responses": {**_ok(_obj({"heads": {"type": "array", "items": HEX64}},
+                                     ["heads"])), **_err(400, 401, 403, 404, 503)}}},
         "/v1/volumes/{volume}/branches/{branch}": {"delete": {
             "summary": "delete a branch",
             "parameters": [VOLUME_PARAM, {"name": "branch", "in": "path", "required": True,
@@ -160,8 +168,8 @@ OPENAPI: dict[str, Any] = {
             "requestBody": {"required": True, "content": {"application/msgpack": {
                 "schema": {"type": "string", "format": "binary"}}},
                 "description": "msgpack map {changesets: [{volume, branch, base, changes: "
-                               "[[path, entry|nil]], message, meta, lease}], objects: object "
-                               "batch or nil}"},
+                               "[[path, entry|nil]], message, meta, lease, identical}], "
+                               "objects: object batch or nil, txid: 16 bytes or nil}"},
             "responses": {**_ok(_obj({"heads": {"type": "array", "items": HEX64}},
                                      ["heads"])),
                           **_err(400, 401, 403, 404, 409, 413, 503)}}},

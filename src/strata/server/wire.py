@@ -24,6 +24,7 @@ from strata.engine.objects import (
     KIND_NAMES,
     SNAPSHOT,
     TREE,
+    TXID_LEN,
     Entry,
     FileNode,
     Snapshot,
@@ -154,13 +155,17 @@ def _check_structure(kind: int, raw: bytes, oid: bytes) -> None:
 
 
 def encode_publish(changesets: Sequence[ChangeSet],
-                   objects: Sequence[tuple[int, bytes]] = ()) -> bytes:
+                   objects: Sequence[tuple[int, bytes]] = (), *,
+                   txid: bytes | None = None) -> bytes:
     """A publish request: the change sets plus objects to store with them."""
     return packb({"changesets": _changesets(changesets),
-                  "objects": encode_objects(objects) if objects else None})
+                  "objects": encode_objects(objects) if objects else None,
+                  "txid": txid})
 
 
-def decode_publish(body: bytes) -> tuple[list[ChangeSet], list[tuple[int, bytes]]]:
+def decode_publish(body: bytes
+                   ) -> tuple[list[ChangeSet], list[tuple[int, bytes]], bytes | None]:
+    """Change sets, objects and the publish id (None if the client sent none)."""
     try:
         raw = unpackb(body)
     except ValueError as exc:
@@ -170,7 +175,11 @@ def decode_publish(body: bytes) -> tuple[list[ChangeSet], list[tuple[int, bytes]
     objs = raw.get("objects")
     if objs is not None and not isinstance(objs, bytes):
         raise InvalidInput("'objects' must be a binary object batch")
-    return _decode_changesets(raw["changesets"]), decode_objects(objs) if objs else []
+    txid = raw.get("txid")
+    if txid is not None and (not isinstance(txid, bytes) or len(txid) != TXID_LEN):
+        raise InvalidInput(f"'txid' must be {TXID_LEN} bytes")
+    return (_decode_changesets(raw["changesets"]), decode_objects(objs) if objs else [],
+            txid)
 
 
 def _changesets(changesets: Sequence[ChangeSet]) -> list[dict[str, Any]]:
@@ -178,6 +187,7 @@ def _changesets(changesets: Sequence[ChangeSet]) -> list[dict[str, Any]]:
         "volume": cs.volume, "branch": cs.branch, "base": cs.base,
         "changes": [[p, None if e is None else e.to_list()] for p, e in cs.changes.items()],
         "message": cs.message, "meta": cs.meta, "lease": cs.lease,
+        "identical": cs.identical,
     } for cs in changesets]
 
 
@@ -201,11 +211,14 @@ def _decode_changesets(raw: Any) -> list[ChangeSet]:
             lease = cs.get("lease")
             if not isinstance(meta, dict) or (lease is not None and not isinstance(lease, int)):
                 raise TypeError("meta must be a map and lease an integer")
+            identical = cs.get("identical", False)
+            if not isinstance(identical, bool):
+                raise TypeError("identical must be a boolean")
             for field in ("volume", "branch", "base"):
                 if not isinstance(cs[field], str):
                     raise TypeError(f"{field} must be a string")
             out.append(ChangeSet(cs["volume"], cs["branch"], cs["base"], changes,
-                                 str(cs.get("message") or ""), meta, lease))
+                                 str(cs.get("message") or ""), meta, lease, identical))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidInput(f"malformed change set: {exc}") from exc
     return out

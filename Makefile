@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.stamp
 APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync
 APT_OPTIONAL := runsc
 
-.PHONY: deps apt-deps lint test demo bench clean
+.PHONY: deps apt-deps lint test demo bench fuzz clean
 
 deps: apt-deps $(STAMP)
 
@@ -40,6 +40,12 @@ demo: deps
 
 bench: deps
 	$(BIN)/python -m bench
+
+# Longer randomized checks than `make test` runs: a 600-step isolation history (steps,
+# forks, SIGKILLed runners and servers) and the store state machine with more examples.
+fuzz: deps
+	STRATA_HISTORY_STEPS=600 $(BIN)/pytest -q -s tests/run/test_history.py
+	STRATA_STATEFUL_EXAMPLES=1000 $(BIN)/pytest -q tests/test_stateful.py
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

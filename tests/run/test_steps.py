@@ -204,6 +204,52 @@ def test_concurrent_counter_never_loses_an_update(senv: StepEnv) -> None:
     senv.wait_clean()
 
 
+# Reads the counter, then writes n + 1 at one wall-clock instant shared by every step of
+# the round, so concurrent steps that read the same n write equal bytes in one kernel
+# clock tick (equal mtimes): the case an "equal results do not conflict" rule loses.
+SYNCED_COUNTER = (
+    "import os, sys, time\n"
+    "p = os.path.join(os.environ['STRATA_STORAGE'], 'v', 'counter')\n"
+    "n = int(open(p).read())\n"
+    "time.sleep(max(0.0, float(sys.argv[1]) - time.time()))\n"
+    "open(p, 'w').write(str(n + 1))\n"
+)
+
+
+def test_counter_race_with_equal_results_loses_no_update(senv: StepEnv) -> None:
+    """Concurrent increments write equal bytes at one instant: counter == steps that exited 0."""
+    senv.run("put", "v", "counter", input="0")
+    ok = 0
+    for _round in range(3):
+        at = time.time() + 2.5  # after every step of the round has read the counter
+        procs = [senv.start_step(["v"], ["python3", "-c", SYNCED_COUNTER, str(at)])
+                 for _ in range(4)]
+        results = [finish(p) for p in procs]
+        assert all(r.rc in (0, 3) for r in results), results
+        assert all(r.out["timings"]["began"] < at - 0.5 for r in results), "steps too slow"
+        landed = sum(1 for r in results if r.rc == 0)
+        assert landed == 1, [r.out for r in results]  # all read the same n: one may land
+        ok += landed
+        assert int(senv.cat("v", "counter")) == ok
+        for r in results:
+            if r.rc == 3:
+                assert r.out["conflicts"] == ["counter"], r.out
+    senv.wait_clean()
+
+
+def test_merge_identical_accepts_equal_results_by_choice(senv: StepEnv) -> None:
+    """Idempotent steps (same bytes, same mtime) both land with --merge-identical, not without."""
+    job = sh(f"mkdir -p {VOL}/out && printf built > {VOL}/out/artifact && "
+             f"touch -d @1700000000 {VOL}/out/artifact {VOL}/out && sleep 1")
+    for extra, expect in (((), [0, 3]), (("--merge-identical",), [0, 0])):
+        senv.run("rm", "-r", "v", "out", rc=None)
+        procs = [senv.start_step(["v"], job, "none", *extra) for _ in range(2)]
+        results = [finish(p) for p in procs]
+        assert sorted(r.rc for r in results) == expect, (extra, results)
+        assert senv.cat("v", "out/artifact") == "built"
+    senv.wait_clean()
+
+
 def test_exclusive_steps_take_turns(senv: StepEnv) -> None:
     """:exclusive steps on one branch never overlap, and none of them conflicts."""
     senv.run("put", "v", "counter", input="0")

@@ -97,7 +97,7 @@ class MountState:
 
 
 def new_state(mountpoint: str, server: str | None, volumes: list[VolumeState],
-              single: bool) -> MountState:
+              single: bool, extra: dict[str, Any] | None = None) -> MountState:
     mid = uuid.uuid4().hex[:12]
     scratch = os.path.join(scratch_root(), mid)
     os.makedirs(os.path.join(scratch, "lower"), mode=0o700)
@@ -105,7 +105,7 @@ def new_state(mountpoint: str, server: str | None, volumes: list[VolumeState],
         os.makedirs(os.path.join(scratch, "upper", v.name or "_"), mode=0o755)
         os.makedirs(os.path.join(scratch, "work", v.name or "_"), mode=0o700)
     state = MountState(mid, os.path.realpath(mountpoint), scratch, server, volumes, single,
-                       os.getpid())
+                       os.getpid(), dict(extra or {}))
     state.save()
     return state
 
@@ -246,8 +246,13 @@ class CommitResult:
 
 def commit(store: Store, state: MountState, *, message: str = "",
            meta: dict[str, Any] | None = None, names: list[str] | None = None,
-           leases: dict[str, int] | None = None) -> CommitResult:
-    """Publish the mount's volumes (all, or `names`) in one atomic commit."""
+           leases: dict[str, int] | None = None, identical: bool = False) -> CommitResult:
+    """Publish the mount's volumes (all, or `names`) in one atomic commit.
+
+    `identical` accepts paths the head already holds exactly as the mount
+    has them (see ChangeSet.identical); off, any path changed since the
+    mount's snapshot that the mount also changed conflicts.
+    """
     t0 = time.monotonic()
     todo = [v for v in state.volumes if not v.readonly and (names is None or v.name in names)]
     work = [(v, *pending(store, state, v)) for v in todo]
@@ -257,7 +262,7 @@ def commit(store: Store, state: MountState, *, message: str = "",
         if not changes:
             continue
         changesets.append(ChangeSet(v.volume, v.branch, v.base, changes, message,
-                                    dict(meta or {}), (leases or {}).get(v.name)))
+                                    dict(meta or {}), (leases or {}).get(v.name), identical))
         _needed(changes, scan, objects)
     uploaded, sent = _upload(store, objects)
     heads = store.publish(changesets, uploaded) if changesets else []
@@ -366,6 +371,41 @@ def teardown(state: MountState, *, lazy: bool = False) -> None:
     if not state.single and is_mountpoint(state.mountpoint):
         unmount(state.mountpoint, lazy=True)  # the tmpfs holding DIR/NAME
     shutil.rmtree(state.scratch, ignore_errors=True)
+
+
+def sweep_abandoned_steps(root: str | None = None) -> list[str]:
+    """Remove step scratch directories whose runner and mount process are both gone.
+
+    A runner killed after its mount process stopped (during teardown) or
+    before that process started leaves its scratch directory with nobody to
+    remove it. Only step scratch (state with a run id) is swept, and only when
+    neither process is alive and nothing is mounted beneath it. Returns what
+    was removed.
+    """
+    root = root or scratch_root()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    with open("/proc/self/mountinfo") as f:
+        mounted = [line.split()[4] for line in f]
+    for mid in names:
+        scratch = os.path.join(root, mid)
+        try:
+            st = MountState.load(scratch)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        runner = st.extra.get("runner")
+        if "run" not in st.extra or not isinstance(runner, int):
+            continue
+        if _alive(runner) or (st.pid and _alive(st.pid)):
+            continue
+        if any(mp == scratch or mp.startswith(scratch + "/") for mp in mounted):
+            continue
+        shutil.rmtree(scratch, ignore_errors=True)
+        removed.append(scratch)
+    return removed
 
 
 def _alive(pid: int) -> bool:

@@ -27,6 +27,7 @@ from strata.mount.session import (
     new_state,
     pending,
     scratch_root,
+    sweep_abandoned_steps,
     teardown,
     upload_changes,
 )
@@ -107,7 +108,8 @@ class _Leases:
 
 def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox: str = "bwrap",
              timeout: float | None = None, memory: int | None = None, network: bool = False,
-             lease_wait: float = 600.0, message: str | None = None) -> StepResult:
+             lease_wait: float = 600.0, message: str | None = None,
+             identical: bool = False) -> StepResult:
     """Run `argv` as one transaction over `specs` (see the module docstring)."""
     from strata.mount.process import start
     from strata.server.client import RemoteStore
@@ -120,16 +122,24 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
     result.timings["began"] = time.time()
     leases = _Leases(store)
     state: MountState | None = None
+    sweep_abandoned_steps()  # what runners killed at the wrong moment left behind
     try:
-        vols = []
         for spec in specs:
+            if spec.exclusive and not spec.run_scoped:
+                leases.acquire(spec.name, spec.volume, spec.branch, f"run {run_id}",
+                               lease_wait)
+        # One instant for every volume: a multi-volume publish is seen whole or not at
+        # all (heads read one by one could fall between its branches).
+        pinned = store.heads([(spec.volume, spec.branch) for spec in specs])
+        vols = []
+        for spec, head in zip(specs, pinned, strict=True):
             branch = spec.branch
             if spec.run_scoped:
                 branch = f"run/{run_id}"
-                store.fork(spec.volume, branch, at=store.head(spec.volume, spec.branch))
-            if spec.exclusive:
-                leases.acquire(spec.name, spec.volume, branch, f"run {run_id}", lease_wait)
-            head = store.head(spec.volume, branch)
+                store.fork(spec.volume, branch, at=head)
+                if spec.exclusive:
+                    leases.acquire(spec.name, spec.volume, branch, f"run {run_id}",
+                                   lease_wait)
             vols.append(VolumeState(spec.name, spec.volume, branch, head, head,
                                     readonly=not spec.writable))
         leases.start()
@@ -137,12 +147,11 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         # directory, the OCI bundle, runsc's state), so the mount process's teardown
         # removes it all when this runner dies.
         state = st = new_state(os.path.join(scratch_root(), "_"), store.url, vols,
-                               single=False)
+                               single=False, extra={"run": run_id, "runner": os.getpid()})
         storage = os.path.join(st.scratch, "storage")
         os.mkdir(storage, 0o755)
         st.mountpoint = storage
         st.extra["token"] = store.token
-        st.extra["run"] = run_id
         st.save()
         error = start(st, background=True, watch_pid=os.getpid())
         if error is not None:
@@ -170,7 +179,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         if result.status == 0:
             if leases.lost:
                 raise Unavailable(f"lost the lease on {', '.join(leases.lost)}; not publishing")
-            _publish(store, state, result, argv, message, leases.tokens())
+            _publish(store, state, result, argv, message, leases.tokens(), identical)
         result.timings["finish"] = time.monotonic() - t2
         return result
     finally:
@@ -183,11 +192,11 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
 
 
 def _publish(store: Store, state: MountState, result: StepResult, argv: list[str],
-             message: str | None, leases: dict[str, int]) -> None:
+             message: str | None, leases: dict[str, int], identical: bool) -> None:
     msg = message or f"run {result.run_id}: {' '.join(argv)[:200]}"
     meta = {"run": result.run_id, "argv": argv[:64]}
     try:
-        done = commit(store, state, message=msg, meta=meta, leases=leases)
+        done = commit(store, state, message=msg, meta=meta, leases=leases, identical=identical)
         result.published = {name: sid for name, sid in done.published.items()
                             if any(v.name == name and not v.readonly for v in state.volumes)}
     except Conflict as exc:

@@ -61,6 +61,10 @@ from strata.engine.objects import (
 from strata.engine.tree import NodeCache, Trees
 
 STORE_MAGIC = "strata-store"
+# The largest object: a file node naming 128 GiB of 64 KiB blocks. Every record's
+# length is checked against the pack payload limit when it is written, never
+# discovered on a scan.
+MAX_OBJECT = packfmt.MAX_PAYLOAD - packfmt.OBJ_HEAD_SIZE
 GROUP_COMMIT_LINGER = 0.001  # seconds a sync leader waits for in-flight publishes
 STORE_VERSION = 1
 Pos = tuple[int, int]
@@ -121,6 +125,16 @@ def read_store_meta(path: str) -> dict[str, Any]:
     if int(first[1]) != STORE_VERSION:
         raise InvalidInput(f"store format version {first[1]} is not supported")
     return dict(json.loads(body))
+
+
+def _header_incomplete(path: str) -> bool:
+    """True if a pack is too short to hold its own header (created, then a crash)."""
+    with open(path, "rb") as f:
+        head = f.read(packfmt.HEADER_SIZE)
+    if len(head) < packfmt.HEADER_V1_SIZE:
+        return True
+    version = int.from_bytes(head[8:10], "little")
+    return head[:8] == packfmt.PACK_MAGIC and version >= 2 and len(head) < packfmt.HEADER_SIZE
 
 
 def _fsync_dir(path: str) -> None:
@@ -207,6 +221,8 @@ class LocalStore(Store):
         self._branch_locks_guard = threading.Lock()
         self._read_fds: dict[int, int] = {}
         self._read_fds_guard = threading.Lock()
+        self._pack_infos: dict[int, packfmt.PackInfo] = {}
+        self._sync = b""  # the active pack's frame marker (set with the active pack)
         self._index_lock = threading.Lock()
         try:
             self._open_index_and_recover()
@@ -253,19 +269,24 @@ class LocalStore(Store):
             self.put_objects([(TREE, EMPTY_TREE), (SNAPSHOT, EMPTY_SNAPSHOT_RAW)])
             self._commit([])
 
-    def _replay(self, start: Pos | None, into: Index | None = None) -> None:
-        """Bring the index up to the end of the packs, truncating a torn tail."""
+    def _replay(self, start: Pos | None, into: Index | None = None, *,
+                repair: bool = True) -> None:
+        """Bring the index up to the end of the packs, truncating a torn tail.
+
+        Only recovery on open repairs (`repair`): it owns the packs and nothing
+        appends meanwhile. A rebuild of the index under a running store only
+        reads; a torn tail it meets is reported, never cut.
+        """
         index = into if into is not None else self.index
         numbers = self._pack_numbers()
         for number in numbers:
             if start is not None and number < start[0]:
                 continue
-            offset = start[1] if start is not None and number == start[0] else (
-                packfmt.HEADER_SIZE)
+            offset = start[1] if start is not None and number == start[0] else None
             path = self._pack_path(number)
             name = packfmt.pack_name(number)
             size = os.path.getsize(path)
-            if number == numbers[-1] and size < packfmt.HEADER_SIZE:
+            if repair and number == numbers[-1] and _header_incomplete(path):
                 # Created, then a crash before its header was written: it holds nothing.
                 self.recovery["truncated"].append({"pack": name, "offset": 0, "bytes": size})
                 os.remove(path)
@@ -274,7 +295,10 @@ class LocalStore(Store):
             result = packfmt.scan(path, offset)
             for off, reason in result.damaged:
                 self.recovery["damaged"].append({"pack": name, "offset": off, "reason": reason})
-            if result.torn:
+            if result.torn and not repair:
+                self.recovery["damaged"].append(
+                    {"pack": name, "offset": result.end, "reason": "torn tail (left alone)"})
+            elif result.torn:
                 size = os.path.getsize(path)
                 self.recovery["truncated"].append(
                     {"pack": name, "offset": result.end, "bytes": size - result.end})
@@ -311,9 +335,14 @@ class LocalStore(Store):
             number = numbers[-1]
             path = self._pack_path(number)
             size = os.path.getsize(path)
-            if not packfmt.is_sealed(path) and size < self.config.pack_size_limit:
+            info = self._pack_info(number)
+            # Packs of an older format are read, never appended to: new records
+            # go to a new pack of the current format.
+            if (info.version == packfmt.PACK_VERSION and not packfmt.is_sealed(path)
+                    and size < self.config.pack_size_limit):
                 fd = os.open(path, os.O_WRONLY | os.O_APPEND)
                 os.fsync(fd)  # whatever survived the crash is now durable
+                self._sync = info.sync
                 self._set_tail(fd, number, size, time.monotonic())
                 self._durable = (number, size)
                 return
@@ -326,9 +355,11 @@ class LocalStore(Store):
     def _new_pack(self, number: int) -> None:
         path = self._pack_path(number)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
-        packfmt.write_header(fd, number, self.store_id)
+        sync = packfmt.new_sync()
+        packfmt.write_header(fd, number, self.store_id, sync)
         os.fsync(fd)
         _fsync_dir(self.packs_dir)
+        self._sync = sync  # every frame appended to this pack starts with it
         self._set_tail(fd, number, packfmt.HEADER_SIZE, time.monotonic())
 
     def _set_tail(self, fd: int, number: int, offset: int, born: float) -> None:
@@ -343,14 +374,20 @@ class LocalStore(Store):
         if self._failed is not None:
             raise StoreFailed(f"store refused further writes after an I/O error: {self._failed}")
 
-    def _append(self, data: bytes) -> tuple[int, int]:
-        """Append bytes to the active pack; caller holds _append_lock."""
-        fd, number, offset, born = self._tail
+    def _roll_if_due(self, size: int) -> None:
+        """Seal the active pack if `size` more bytes would pass its size or age limit."""
+        _fd, _number, offset, born = self._tail
         if offset > packfmt.HEADER_SIZE and (
-                offset + len(data) > self.config.pack_size_limit
+                offset + size > self.config.pack_size_limit
                 or time.monotonic() - born > self.config.pack_age_limit):
             self._seal_locked()
-            fd, number, offset, born = self._tail
+
+    def _append(self, data: bytes) -> tuple[int, int]:
+        """Append whole frames to the active pack; caller holds _append_lock.
+
+        The frames were built with this pack's marker (`_roll_if_due` first).
+        """
+        fd, number, offset, born = self._tail
         try:
             view = memoryview(data)
             while view:
@@ -372,7 +409,7 @@ class LocalStore(Store):
     def _seal_locked(self) -> None:
         """Seal the active pack and start the next; caller holds _append_lock."""
         fd, number, offset, _born = self._tail
-        seal = packfmt.seal_frame(offset)
+        seal = packfmt.seal_frame(offset, self._sync)
         os.write(fd, seal)
         end = offset + len(seal)
         self._unindexed.append(((number, end), "seal", None))
@@ -455,7 +492,7 @@ class LocalStore(Store):
             payload = packb({"t": time.time_ns(), "ops": ops})
             frame = packfmt.encode_frame(packfmt.R_COMMIT, payload)
             number, offset = self._append_records_locked(frames, frame)
-            end = (number, offset + len(frame))
+            end = (number, offset + len(self._sync) + len(frame))
             for op in ops:
                 _apply_op(op, self._pending_vols, self._pending_refs)
                 if op[0] == "lease":
@@ -560,6 +597,9 @@ class LocalStore(Store):
         for kind, raw in objects:
             if kind not in KIND_NAMES:
                 raise InvalidInput(f"unknown object kind {kind}")
+            if len(raw) > MAX_OBJECT:
+                raise InvalidInput(f"{KIND_NAMES[kind]} of {len(raw)} bytes is over the "
+                                   f"{MAX_OBJECT}-byte object limit")
             oid = object_id(kind, raw)
             ids.append(oid)
             if oid in seen or self._has(oid):
@@ -579,11 +619,16 @@ class LocalStore(Store):
         todo = [f for f in frames if not self._has(f[0])]
         if not todo and not tail:
             return (self._tail[1], self._tail[2])
-        number, offset = self._append(b"".join(f[2] for f in todo) + tail)
+        # Seal first if due: every frame must carry the marker of the pack it lands in.
+        self._roll_if_due(sum(len(f[2]) for f in todo) + len(tail)
+                          + len(self._sync) * (len(todo) + bool(tail)))
+        sync = self._sync
+        data = b"".join(sync + f[2] for f in todo) + (sync + tail if tail else b"")
+        number, offset = self._append(data)
         for oid, kind, frame in todo:
-            loc = (number, offset, len(frame), kind)
+            loc = (number, offset, len(sync) + len(frame), kind)
             self._recent[oid] = loc
-            offset += len(frame)
+            offset += loc[2]
             self._unindexed.append(((number, offset), "object", (oid, loc)))
         self.stats["objects_written"] += len(todo)
         return number, offset
@@ -598,6 +643,17 @@ class LocalStore(Store):
                     self._read_fds[number] = fd
         return fd
 
+    def _pack_info(self, number: int) -> packfmt.PackInfo:
+        """A pack's header (its format and sync marker), read once."""
+        info = self._pack_infos.get(number)
+        if info is None:
+            info = packfmt.read_info(self._pack_path(number))
+            if info.number != number:
+                raise Corrupt(packfmt.pack_name(number), 0,
+                              f"header names pack {info.number}")
+            self._pack_infos[number] = info
+        return info
+
     def _read_frame(self, loc: Loc) -> bytes:
         number, offset, length, _kind = loc
         return os.pread(self._read_fd(number), length, offset)
@@ -609,7 +665,8 @@ class LocalStore(Store):
             raise NotFound(f"object {oid.hex()} not found")
         frame = self._read_frame(loc)
         name = packfmt.pack_name(loc[0])
-        kind, stored_id, raw = packfmt.decode_object(frame, name, loc[1])
+        kind, stored_id, raw = packfmt.decode_object(frame, self._pack_info(loc[0]).sync,
+                                                     name, loc[1])
         if stored_id != oid:
             raise Corrupt(name, loc[1], f"index points at {stored_id.hex()}, not {oid.hex()}")
         return raw
@@ -1028,7 +1085,7 @@ class LocalStore(Store):
         if replayed_vols != vols_then:
             report["refs_mismatch"].append({"volumes": sorted(replayed_vols ^ vols_then)})
         seen: set[bytes] = set()
-        for (vol, br), sid in sorted(self._refs.items()):
+        for (vol, br), sid in sorted(refs_then.items()):  # the cut taken above, not live refs
             self._check_reachable(bytes.fromhex(sid), located, seen, report, f"{vol}@{br}")
         report["ok"] = not (report["damaged"] or report["missing"] or report["index_mismatch"]
                             or report["index_lacks"] or report["refs_mismatch"])
@@ -1085,7 +1142,7 @@ class LocalStore(Store):
                 tmp = self.index_dir + ".rebuild"
                 Index.destroy(tmp)
                 fresh = Index(tmp)
-                self._replay(None, into=fresh)
+                self._replay(None, into=fresh, repair=False)
                 fresh.close()
                 self.index.close()  # readers racing this admin call may see an error
                 Index.destroy(self.index_dir)

@@ -19,16 +19,24 @@ from dataclasses import dataclass
 
 import zstandard
 
-from strata.engine.errors import Corrupt
+from strata.engine.errors import Corrupt, InvalidInput
 
 PACK_MAGIC = b"STRATAPK"
-PACK_VERSION = 1
-HEADER = struct.Struct("<8sHHIQ16s")  # magic, version, flags, pack number, created ns, store id
-HEADER_SIZE = HEADER.size  # 40
-FRAME = struct.Struct("<2sBBII")  # magic, type, flags, payload length, crc32
-FRAME_SIZE = FRAME.size  # 12
-FRAME_MAGIC = b"SR"
-MAX_PAYLOAD = 64 * 1024 * 1024
+PACK_VERSION = 2          # what this strata writes
+PACK_VERSIONS = (1, 2)    # what it reads
+# v2: magic, version, flags, pack number, created ns, store id, sync marker
+HEADER = struct.Struct("<8sHHIQ16s16s")
+HEADER_SIZE = HEADER.size  # 56
+HEADER_V1 = struct.Struct("<8sHHIQ16s")
+HEADER_V1_SIZE = HEADER_V1.size  # 40
+SYNC_SIZE = 16
+# A frame is the pack's sync marker followed by this and the payload.
+REST = struct.Struct("<BBII")  # type, flags, payload length, crc32
+FRAME_SIZE = SYNC_SIZE + REST.size  # 26 in v2 packs
+FRAME_MAGIC_V1 = b"SR"  # a v1 pack's "sync marker": the same in every pack
+# Objects are at most a file node of 128 GiB of 64 KiB blocks (64 MiB of ids):
+# nothing larger is written, so a frame claiming more is damage.
+MAX_PAYLOAD = 64 * 1024 * 1024 + 64
 
 # Record types.
 R_OBJECT = 1
@@ -63,9 +71,18 @@ def pack_name(number: int) -> str:
 
 
 def encode_frame(rtype: int, payload: bytes, flags: int = 0) -> bytes:
+    """A frame without its sync marker (prepended when it is appended to a pack).
+
+    The CRC covers the type, flags, length and payload, not the marker, so a
+    frame can be built (and its payload compressed and checksummed) before it
+    is known which pack it lands in.
+    """
+    if len(payload) > MAX_PAYLOAD:
+        raise InvalidInput(f"record of {len(payload)} bytes is over the limit of "
+                           f"{MAX_PAYLOAD}")
     head = struct.pack("<BBI", rtype, flags, len(payload))
     crc = zlib.crc32(payload, zlib.crc32(head))
-    return FRAME.pack(FRAME_MAGIC, rtype, flags, len(payload), crc) + payload
+    return REST.pack(rtype, flags, len(payload), crc) + payload
 
 
 def encode_object(kind: int, oid: bytes, raw: bytes, compress: bool) -> bytes:
@@ -79,9 +96,10 @@ def encode_object(kind: int, oid: bytes, raw: bytes, compress: bool) -> bytes:
     return encode_frame(R_OBJECT, OBJ_HEAD.pack(kind, oid, len(raw)) + body, flags)
 
 
-def decode_object(frame: bytes, pack: str, offset: int) -> tuple[int, bytes, bytes]:
-    """Verify one object frame and return (kind, id, raw bytes)."""
-    rtype, flags, payload = verify_frame(frame, pack, offset)
+def decode_object(frame: bytes, sync: bytes, pack: str, offset: int
+                  ) -> tuple[int, bytes, bytes]:
+    """Verify one object frame (marker included) and return (kind, id, raw bytes)."""
+    rtype, flags, payload = verify_frame(frame, sync, pack, offset)
     if rtype != R_OBJECT:
         raise Corrupt(pack, offset, f"expected an object record, found type {rtype}")
     return _object_payload(flags, payload, pack, offset)
@@ -103,18 +121,36 @@ def _object_payload(flags: int, payload: bytes, pack: str, offset: int
     return kind, oid, body
 
 
-def verify_frame(frame: bytes, pack: str, offset: int) -> tuple[int, int, bytes]:
-    if len(frame) < FRAME_SIZE:
+def verify_frame(frame: bytes, sync: bytes, pack: str, offset: int) -> tuple[int, int, bytes]:
+    """Check a whole frame (sync marker, header, payload); return (type, flags, payload)."""
+    n = len(sync)
+    if len(frame) < n + REST.size:
         raise Corrupt(pack, offset, "truncated frame header")
-    magic, rtype, flags, length, crc = FRAME.unpack_from(frame)
-    if magic != FRAME_MAGIC:
-        raise Corrupt(pack, offset, "bad frame magic")
-    payload = frame[FRAME_SIZE:FRAME_SIZE + length]
+    if frame[:n] != sync:
+        raise Corrupt(pack, offset, "bad frame marker")
+    rtype, flags, length, crc = REST.unpack_from(frame, n)
+    if length > MAX_PAYLOAD:
+        raise Corrupt(pack, offset, "implausible record length")
+    payload = frame[n + REST.size:n + REST.size + length]
     if len(payload) != length:
         raise Corrupt(pack, offset, "truncated frame payload")
-    if zlib.crc32(payload, zlib.crc32(frame[2:8])) != crc:
+    if zlib.crc32(payload, zlib.crc32(frame[n:n + 6])) != crc:
         raise Corrupt(pack, offset, "checksum mismatch")
-    return rtype, flags, payload
+    return rtype, flags, bytes(payload)
+
+
+@dataclass(frozen=True, slots=True)
+class PackInfo:
+    """What a pack's header says: how to find and check its frames."""
+
+    number: int
+    version: int
+    sync: bytes        # the marker every frame of this pack starts with
+    header_size: int
+
+    @property
+    def frame_overhead(self) -> int:
+        return len(self.sync) + REST.size
 
 
 @dataclass(slots=True)
@@ -136,63 +172,88 @@ class ScanResult:
 
 
 SEAL_PAYLOAD = struct.Struct("<Q")  # offset of the seal record itself
-SEAL_FRAME_SIZE = FRAME_SIZE + SEAL_PAYLOAD.size
 
 
-def seal_frame(offset: int) -> bytes:
-    """The fixed-size record that ends a sealed pack."""
-    return encode_frame(R_SEAL, SEAL_PAYLOAD.pack(offset))
+def seal_frame(offset: int, sync: bytes) -> bytes:
+    """The fixed-size record that ends a sealed pack, marker included."""
+    return sync + encode_frame(R_SEAL, SEAL_PAYLOAD.pack(offset))
+
+
+def new_sync() -> bytes:
+    """A fresh random marker for a new pack; it never leaves the store."""
+    return os.urandom(SYNC_SIZE)
 
 
 def is_sealed(path: str) -> bool:
     """True if the pack's last record is a valid seal record."""
     with open(path, "rb") as f:
-        size = f.seek(0, os.SEEK_END)
-        if size < HEADER_SIZE + SEAL_FRAME_SIZE:
+        try:
+            info = read_header(f.read(HEADER_SIZE), os.path.basename(path))
+        except Corrupt:
             return False
-        f.seek(size - SEAL_FRAME_SIZE)
-        tail = f.read(SEAL_FRAME_SIZE)
+        seal_size = info.frame_overhead + SEAL_PAYLOAD.size
+        size = f.seek(0, os.SEEK_END)
+        if size < info.header_size + seal_size:
+            return False
+        f.seek(size - seal_size)
+        tail = f.read(seal_size)
     try:
-        rtype, _flags, payload = verify_frame(tail, os.path.basename(path), size - SEAL_FRAME_SIZE)
+        rtype, _flags, payload = verify_frame(tail, info.sync, os.path.basename(path),
+                                              size - seal_size)
     except Corrupt:
         return False
-    return rtype == R_SEAL and SEAL_PAYLOAD.unpack(payload)[0] == size - SEAL_FRAME_SIZE
+    return rtype == R_SEAL and SEAL_PAYLOAD.unpack(payload)[0] == size - seal_size
 
 
-def write_header(fd: int, number: int, store_id: bytes) -> None:
-    os.write(fd, HEADER.pack(PACK_MAGIC, PACK_VERSION, 0, number, time.time_ns(), store_id))
+def write_header(fd: int, number: int, store_id: bytes, sync: bytes) -> None:
+    os.write(fd, HEADER.pack(PACK_MAGIC, PACK_VERSION, 0, number, time.time_ns(), store_id,
+                             sync))
 
 
-def read_header(data: bytes, pack: str) -> int:
-    if len(data) < HEADER_SIZE:
+def read_header(data: bytes, pack: str) -> PackInfo:
+    if len(data) < HEADER_V1_SIZE:
         raise Corrupt(pack, 0, "truncated pack header")
-    magic, version, _flags, number, _created, _sid = HEADER.unpack_from(data)
+    magic, version, _flags, number, _created, _sid = HEADER_V1.unpack_from(data)
     if magic != PACK_MAGIC:
         raise Corrupt(pack, 0, "not a strata pack (bad magic)")
-    if version != PACK_VERSION:
-        raise Corrupt(pack, 0, f"unsupported pack version {version}")
-    return int(number)
+    if version not in PACK_VERSIONS:
+        raise Corrupt(pack, 0, f"unsupported pack format version {version} (this strata "
+                               f"reads {', '.join(map(str, PACK_VERSIONS))}; upgrade strata)")
+    if version == 1:
+        return PackInfo(int(number), 1, FRAME_MAGIC_V1, HEADER_V1_SIZE)
+    if len(data) < HEADER_SIZE:
+        raise Corrupt(pack, 0, "truncated pack header")
+    sync = HEADER.unpack_from(data)[6]
+    return PackInfo(int(number), version, bytes(sync), HEADER_SIZE)
 
 
-def scan(path: str, start: int = HEADER_SIZE) -> ScanResult:
-    """Read every record from `start`, telling a torn tail from real damage.
+def read_info(path: str) -> PackInfo:
+    with open(path, "rb") as f:
+        return read_header(f.read(HEADER_SIZE), os.path.basename(path))
+
+
+def scan(path: str, start: int | None = None) -> ScanResult:
+    """Read every record from `start` (default: the first), telling a torn tail from damage.
 
     A bad frame followed by no good frame is a torn tail (the last append did
     not finish). A bad frame with good frames after it is damage: it is
-    reported and skipped by searching forward for the next good frame.
+    reported and skipped by searching forward for the next frame that starts
+    with the pack's sync marker. In a version 2 pack that marker is 16 random
+    bytes no client ever sees, so bytes a client uploaded (a block holding a
+    well-formed frame) can never be taken for a record.
     """
     name = os.path.basename(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        if size < HEADER_SIZE:
+        if size < HEADER_V1_SIZE:
             raise Corrupt(name, 0, "truncated pack header")
         # Map rather than read: packs are up to 256 MiB and only touched once here.
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _scan_data(data, name, start)
+            info = read_header(data[:HEADER_SIZE], name)
+            return _scan_data(data, info, name, info.header_size if start is None else start)
 
 
-def _scan_data(data: mmap.mmap, name: str, start: int) -> ScanResult:
-    read_header(data[:HEADER_SIZE], name)
+def _scan_data(data: mmap.mmap, info: PackInfo, name: str, start: int) -> ScanResult:
     records: list[Record] = []
     damaged: list[tuple[int, str]] = []
     pos = start
@@ -201,9 +262,9 @@ def _scan_data(data: mmap.mmap, name: str, start: int) -> ScanResult:
     n = len(data)
     while pos < n:
         try:
-            rec = _parse_at(data, pos, name)
+            rec = _parse_at(data, info, pos, name)
         except Corrupt as exc:
-            nxt = _resync(data, pos + 1, name)
+            nxt = _resync(data, info, pos + 1, name)
             if nxt is None:
                 return ScanResult(records, end, damaged, True, sealed)
             damaged.append((pos, exc.detail))
@@ -217,24 +278,27 @@ def _scan_data(data: mmap.mmap, name: str, start: int) -> ScanResult:
     return ScanResult(records, end, damaged, False, sealed)
 
 
-def _parse_at(data: mmap.mmap, pos: int, name: str) -> Record:
-    if pos + FRAME_SIZE > len(data):
+def _parse_at(data: mmap.mmap, info: PackInfo, pos: int, name: str) -> Record:
+    over = info.frame_overhead
+    if pos + over > len(data):
         raise Corrupt(name, pos, "truncated frame header")
-    _m, _t, _f, length, _c = FRAME.unpack_from(data, pos)
+    if data[pos:pos + len(info.sync)] != info.sync:
+        raise Corrupt(name, pos, "bad frame marker")
+    _t, _f, length, _c = REST.unpack_from(data, pos + len(info.sync))
     if length > MAX_PAYLOAD:
         raise Corrupt(name, pos, "implausible record length")
-    frame = data[pos:pos + FRAME_SIZE + length]
-    rtype, flags, payload = verify_frame(frame, name, pos)
-    return Record(pos, FRAME_SIZE + length, rtype, flags, payload)
+    frame = data[pos:pos + over + length]
+    rtype, flags, payload = verify_frame(frame, info.sync, name, pos)
+    return Record(pos, over + length, rtype, flags, payload)
 
 
-def _resync(data: mmap.mmap, pos: int, name: str) -> int | None:
+def _resync(data: mmap.mmap, info: PackInfo, pos: int, name: str) -> int | None:
     while True:
-        pos = data.find(FRAME_MAGIC, pos)
+        pos = data.find(info.sync, pos)
         if pos < 0:
             return None
         try:
-            _parse_at(data, pos, name)
+            _parse_at(data, info, pos, name)
             return pos
         except Corrupt:
             pos += 1
@@ -242,14 +306,15 @@ def _resync(data: mmap.mmap, pos: int, name: str) -> int | None:
 
 def complete_frame_at(path: str, offset: int) -> bool:
     """True if a frame header at `offset` claims a length that fits in the file."""
+    info = read_info(path)
     with open(path, "rb") as f:
         size = f.seek(0, os.SEEK_END)
         f.seek(offset)
-        head = f.read(FRAME_SIZE)
-    if len(head) < FRAME_SIZE:
+        head = f.read(info.frame_overhead)
+    if len(head) < info.frame_overhead or head[:len(info.sync)] != info.sync:
         return False
-    magic, _t, _f, length, _c = FRAME.unpack(head)
-    return bool(magic == FRAME_MAGIC and offset + FRAME_SIZE + length == size)
+    _t, _f, length, _c = REST.unpack_from(head, len(info.sync))
+    return bool(offset + info.frame_overhead + length == size)
 
 
 def iter_objects(rec: Record, pack: str) -> Iterator[tuple[int, bytes]]:

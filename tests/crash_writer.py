@@ -2,6 +2,10 @@
 
 Usage: python crash_writer.py STORE RUN THREADS
 
+With STRATA_TEST_NO_FSYNC=1 in the environment, fsync and fdatasync do
+nothing in this process: the power-cut test uses it to show that it catches
+a store that acknowledges before its data is durable.
+
 Each thread publishes one new file per commit to branch ``live`` of volume
 ``v`` (under ``t<thread>/r<run>/``; ``t<thread>`` is made by the test) and, once
 `commit` has returned, prints ``ack <thread> <run> <n> <snapshot id>`` and
@@ -37,6 +41,8 @@ def content_of(path: str) -> bytes:
 
 def main() -> None:
     store_dir, run, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    if os.environ.get("STRATA_TEST_NO_FSYNC") == "1":
+        os.fsync = os.fdatasync = lambda fd: None
     # Small packs and a short age limit: seals and new packs happen between kills.
     store = LocalStore(store_dir, StoreConfig(pack_size_limit=512 * 1024, pack_age_limit=0.2,
                                               lock_timeout=10))

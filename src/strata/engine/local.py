@@ -346,6 +346,13 @@ class LocalStore(Store):
                 self._set_tail(fd, number, size, time.monotonic())
                 self._durable = (number, size)
                 return
+            # Not appended to again (sealed, full, or of an older format): still make
+            # whatever of it survived the crash durable before anything depends on it.
+            rfd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(rfd)
+            finally:
+                os.close(rfd)
             self._durable = (number, size)
             number += 1
         else:

@@ -92,6 +92,13 @@ class TokenStore:
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, self.path)
+        # The rename is durable only once the directory is: a revoked token must
+        # not come back after a power cut.
+        dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
     def create(self, volume: str, branch: str | None, writable: bool,
                ttl: float | None) -> tuple[str, TokenInfo]:

@@ -42,10 +42,12 @@ bench: deps
 	$(BIN)/python -m bench
 
 # Longer randomized checks than `make test` runs: a 600-step isolation history (steps,
-# forks, SIGKILLed runners and servers) and the store state machine with more examples.
+# forks, SIGKILLed runners and servers), the store state machine with more examples,
+# and schemathesis with 1000 examples per API operation and mode (20,000 publish bodies).
 fuzz: deps
 	STRATA_HISTORY_STEPS=600 $(BIN)/pytest -q -s tests/run/test_history.py
 	STRATA_STATEFUL_EXAMPLES=1000 $(BIN)/pytest -q tests/test_stateful.py
+	STRATA_FUZZ_EXAMPLES=1000 $(BIN)/pytest -q tests/server/test_fuzz_api.py
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

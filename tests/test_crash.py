@@ -295,7 +295,7 @@ def test_deleted_index_is_rebuilt(tmp_path: Path) -> None:
         assert s.fsck()["ok"]
         with pytest.raises(Unavailable):  # the lease was journaled too
             s.acquire_lease("b", "live", ttl=10)
-        s.release_lease("b", "live", lease.fencing)
+        s.release_lease("b", "live", lease.id)
         # And a rebuild from scratch while open gives the same again.
         state = _index_state(s)
         summary = s.rebuild_index()

@@ -7,6 +7,7 @@ but `Store` methods, so the same tests run against the in-process store and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -578,27 +579,49 @@ def test_leases_fence_publishers(store: Store) -> None:
     store.create_volume("v")
     lease = store.acquire_lease("v", "live", ttl=30, holder="runner-1")
     assert lease.fencing >= 1 and lease.holder == "runner-1"
+    assert lease.id.startswith(f"{lease.fencing}.") and len(lease.id.split(".")[1]) == 32
     with pytest.raises(Unavailable):
         store.acquire_lease("v", "live", ttl=30)
     head = store.head("v", "live")
     with pytest.raises(Unavailable):
         put(store, "v", {"a": b"no token"})
     with pytest.raises(Forbidden):
-        store.publish([ChangeSet("v", "live", head, {}, lease=lease.fencing + 1)])
+        store.publish([ChangeSet("v", "live", head, {}, lease=f"{lease.fencing + 1}.{'0' * 32}")])
     t = Transaction(store, "v")
     t.write("a", b"with token")
     (sid,) = store.publish([ChangeSet("v", "live", head, t.changeset().changes,
-                                      lease=lease.fencing)])
-    renewed = store.renew_lease("v", "live", lease.fencing, ttl=30)
+                                      lease=lease.id)])
+    renewed = store.renew_lease("v", "live", lease.id, ttl=30)
     assert renewed.fencing == lease.fencing and renewed.expires_ns >= lease.expires_ns
     with pytest.raises(Forbidden):
-        store.renew_lease("v", "live", lease.fencing + 1, ttl=30)
-    store.release_lease("v", "live", lease.fencing)
-    store.release_lease("v", "live", lease.fencing)  # releasing twice is harmless
+        store.renew_lease("v", "live", f"{lease.fencing + 1}.{'0' * 32}", ttl=30)
+    store.release_lease("v", "live", lease.id)
+    store.release_lease("v", "live", lease.id)  # releasing twice is harmless
     assert put(store, "v", {"b": b"free again"}) != sid
     again = store.acquire_lease("v", "live", ttl=30)
     assert again.fencing > lease.fencing
-    store.release_lease("v", "live", again.fencing)
+    store.release_lease("v", "live", again.id)
+
+
+def test_a_lease_is_usable_only_with_its_secret_id(store: Store) -> None:
+    """Fencing numbers are small and sequential: knowing one gives nothing."""
+    store.create_volume("v")
+    lease = store.acquire_lease("v", "live", ttl=30, holder="the holder")
+    head = store.head("v", "live")
+    guesses = [str(lease.fencing), f"{lease.fencing}.", f"{lease.fencing}.{'0' * 32}",
+               f"{lease.fencing}.{lease.id.split('.')[1][:-1]}0",
+               f"{lease.fencing + 1}{lease.id[len(str(lease.fencing)):]}", "x" * 40]
+    for guess in guesses:
+        with pytest.raises(Forbidden):
+            store.publish([ChangeSet("v", "live", head, {}, lease=guess)])
+        with pytest.raises(Forbidden):
+            store.renew_lease("v", "live", guess, ttl=30)
+        with contextlib.suppress(Forbidden):  # refused, or a no-op for an older number
+            store.release_lease("v", "live", guess)
+        with pytest.raises(Unavailable):  # still held by its holder
+            store.acquire_lease("v", "live", ttl=30)
+    store.release_lease("v", "live", lease.id)
+    store.acquire_lease("v", "live", ttl=30)
 
 
 def test_an_expired_lease_no_longer_admits_its_holder(store: Store) -> None:
@@ -607,10 +630,13 @@ def test_an_expired_lease_no_longer_admits_its_holder(store: Store) -> None:
     time.sleep(0.3)
     with pytest.raises(Forbidden):
         store.publish([ChangeSet("v", "live", store.head("v", "live"), {},
-                                 lease=lease.fencing)])
+                                 lease=lease.id)])
     taken = store.acquire_lease("v", "live", ttl=30)
     assert taken.fencing > lease.fencing
     with pytest.raises(Forbidden):
-        store.renew_lease("v", "live", lease.fencing, ttl=30)
+        store.renew_lease("v", "live", lease.id, ttl=30)
+    store.release_lease("v", "live", lease.id)  # the old holder cannot end the new lease
+    with pytest.raises(Unavailable):
+        store.acquire_lease("v", "live", ttl=30)
     with pytest.raises(NotFound):
         store.acquire_lease("v", "nope", ttl=30)

@@ -354,7 +354,7 @@ def test_garbage_and_misshapen_msgpack_is_refused(env: Env) -> None:
                  packb({"changesets": [{**cs, "changes": [["f", ["x"] * 12]]}]}),
                  packb({"changesets": [{**cs, "changes": [["f", None], ["f", None]]}]}),
                  packb({"changesets": [{**cs, "meta": [1]}]}),
-                 packb({"changesets": [{**cs, "lease": "x"}]}),
+                 packb({"changesets": [{**cs, "lease": 7}]}),
                  packb({"changesets": [cs], "objects": "not bytes"})):
         env.refused("POST", "/v1/publish", body, "application/msgpack")
 
@@ -378,8 +378,9 @@ def test_wrong_json_types_are_refused(env: Env) -> None:
         ("/v1/volumes/v/lease/acquire", b'{"branch": "live", "ttl": -1}', "ttl"),
         ("/v1/volumes/v/lease/acquire", b'{"branch": "live", "ttl": 5, "holder": {}}',
          "'holder'"),
-        ("/v1/volumes/v/lease/release", b'{"branch": "live", "fencing": 1.5}', "'fencing'"),
-        ("/v1/volumes/v/lease/renew", b'{"branch": 7, "ttl": 5, "fencing": 1}', "'branch'"),
+        ("/v1/volumes/v/lease/release", b'{"branch": "live", "lease": 1.5}', "'lease'"),
+        ("/v1/volumes/v/lease/release", b'{"branch": "live", "fencing": 1}', "'lease'"),
+        ("/v1/volumes/v/lease/renew", b'{"branch": 7, "ttl": 5, "lease": "1.x"}', "'branch'"),
         ("/v1/admin/tokens", b'{"volume": "v", "writable": "yes"}', "'writable'"),
         ("/v1/admin/tokens", b'{"volume": "v", "writable": true, "ttl": NaN}', "ttl"),
         ("/v1/admin/tokens", b'{"volume": "v", "writable": true, "ttl": ' + huge + b"}", ""),
@@ -391,7 +392,7 @@ def test_wrong_json_types_are_refused(env: Env) -> None:
     assert env.store.admin("GET", "tokens") == tokens_before
     # No refused acquire took the lease: it is free to take now.
     lease = env.store.acquire_lease("v", "live", ttl=5)
-    env.store.release_lease("v", "live", lease.fencing)
+    env.store.release_lease("v", "live", lease.id)
 
 
 @pytest.mark.usefixtures("unchanged")

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from strata.engine.errors import Forbidden, NotFound, Unauthenticated
+from strata.engine.errors import Forbidden, NotFound, Unauthenticated, Unavailable
 from strata.engine.interface import ChangeSet
 from strata.engine.local import init_store
 from strata.engine.objects import K_FILE, Entry
@@ -169,7 +169,7 @@ def test_read_write_token_puts_forks_and_leases(env: Env) -> None:
     assert rc == 0 and out.strip() == sid, err
     with tcp_store(env, tok) as remote:
         lease = remote.acquire_lease("a", "rw-fork", ttl=30, holder="tcp")
-        remote.release_lease("a", "rw-fork", lease.fencing)
+        remote.release_lease("a", "rw-fork", lease.id)
         remote.delete_branch("a", "rw-fork")
     assert "rw-fork" not in env.owner.list_branches("a")
 
@@ -294,3 +294,46 @@ def test_administration_is_refused_over_tcp(env: Env) -> None:
         with pytest.raises(Unauthenticated):
             RemoteStore(env.server.tcp_url, None, retry_for=1.0).list_volumes()
         assert remote.list_volumes() == ["a"]
+
+
+def test_another_writer_cannot_use_or_end_a_lease(env: Env) -> None:
+    """Finding 5: fencing numbers are guessable, lease ids are not."""
+    holder_tok = env.token("a", "--rw")["token"]
+    other_tok = env.token("a", "--rw")["token"]
+    holder, other = tcp_store(env, holder_tok), tcp_store(env, other_tok)
+    try:
+        lease = holder.acquire_lease("a", "live", ttl=30, holder="the holder")
+        head = other.head("a", "live")
+        for n in range(max(1, lease.fencing - 2), lease.fencing + 3):
+            status, body = env.http("POST", "/v1/volumes/a/lease/release", other_tok,
+                                    {"branch": "live", "fencing": n})
+            assert status == 400, body  # a bare fencing number is no longer accepted
+            for guess in (str(n), f"{n}.{'0' * 32}"):
+                with pytest.raises(Forbidden):
+                    other.publish([ChangeSet("a", "live", head, {}, lease=guess)])
+                with pytest.raises(Forbidden):
+                    other.renew_lease("a", "live", guess, ttl=30)
+        with pytest.raises(Unavailable):  # still the holder's
+            other.acquire_lease("a", "live", ttl=30)
+        holder.release_lease("a", "live", lease.id)
+        other.release_lease("a", "live", other.acquire_lease("a", "live", ttl=30).id)
+    finally:
+        holder.close()
+        other.close()
+
+
+def test_a_token_is_bound_to_its_volume_not_its_name(env: Env) -> None:
+    """Finding 6: no token for a volume that does not exist; none outlives its volume."""
+    p = cli("token", "create", "nosuch", "--rw", "--json", store=env.store)
+    assert p.returncode != 0 and b"nosuch" in p.stderr
+    assert cli("volume", "create", "ephemeral", store=env.store).returncode == 0
+    tok = env.token("ephemeral", "--rw")["token"]
+    assert env.as_token(tok, "ls", "ephemeral")[0] == 0
+    assert cli("volume", "delete", "ephemeral", store=env.store).returncode == 0
+    assert cli("volume", "create", "ephemeral", store=env.store).returncode == 0
+    assert cli("put", "ephemeral", "secret", input=b"new owner's data",
+               store=env.store).returncode == 0
+    status, body = env.http("GET", "/v1/volumes/ephemeral/branches", tok)
+    assert status == 401, body
+    rc, _out, err = env.as_token(tok, "cat", "ephemeral", "secret")
+    assert rc != 0 and "new owner" not in _out

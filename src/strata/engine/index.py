@@ -17,10 +17,11 @@ from typing import Any
 
 import lmdb
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: leases keep the hash of their secret id, volumes their id
 LOC = struct.Struct("<IQIB")  # pack number, frame offset, frame length, object kind
 POS = struct.Struct("<IQ")    # pack number, offset
-LEASE = struct.Struct("<QQ")  # fencing token, expiry (ns since the epoch); holder follows
+# fencing token, expiry (ns since the epoch), hash of the lease id (zeros: none); holder follows
+LEASE = struct.Struct("<QQ16s")
 
 
 class Index:
@@ -28,8 +29,8 @@ class Index:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        os.makedirs(path, exist_ok=True)
-        self.env = lmdb.open(path, max_dbs=8, map_size=1 << 40, subdir=True,
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        self.env = lmdb.open(path, max_dbs=8, map_size=1 << 40, subdir=True, mode=0o600,
                              metasync=False, sync=True, readahead=False, max_readers=512)
         self.objects = self.env.open_db(b"objects")
         self.refs = self.env.open_db(b"refs")
@@ -74,6 +75,11 @@ class Index:
             v = txn.get(b"applied")
         return POS.unpack(v) if v is not None else None
 
+    def load_volume_ids(self) -> dict[str, str]:
+        """Volume name -> the id drawn when it was created ("" for older volumes)."""
+        with self.env.begin(db=self.volumes) as txn:
+            return {bytes(k).decode(): bytes(v).decode() for k, v in txn.cursor()}
+
     def load_state(self) -> tuple[set[str], dict[tuple[str, str], str]]:
         vols: set[str] = set()
         refs: dict[tuple[str, str], str] = {}
@@ -85,13 +91,14 @@ class Index:
                 refs[(vol, br)] = bytes(v).hex()
         return vols, refs
 
-    def load_leases(self) -> dict[tuple[str, str], tuple[int, int, str]]:
-        out: dict[tuple[str, str], tuple[int, int, str]] = {}
+    def load_leases(self) -> dict[tuple[str, str], tuple[int, int, str, bytes]]:
+        out: dict[tuple[str, str], tuple[int, int, str, bytes]] = {}
         with self.env.begin(db=self.leases) as txn:
             for k, v in txn.cursor():
                 vol, br = bytes(k).decode().split("\0", 1)
-                fencing, expires = LEASE.unpack_from(v)
-                out[(vol, br)] = (fencing, expires, bytes(v)[LEASE.size:].decode())
+                fencing, expires, key = LEASE.unpack_from(v)
+                out[(vol, br)] = (fencing, expires, bytes(v)[LEASE.size:].decode(),
+                                  bytes(key).rstrip(b"\0") and bytes(key))
         return out
 
     def count_objects(self) -> int:
@@ -123,7 +130,8 @@ def _refkey(vol: str, br: str) -> bytes:
 def apply_op_lmdb(txn: lmdb.Transaction, op: list[Any], ix: Index) -> None:
     kind = op[0]
     if kind == "vol+":
-        txn.put(str(op[1]).encode(), b"", db=ix.volumes)
+        vid = str(op[2]) if len(op) > 2 and isinstance(op[2], str) else ""
+        txn.put(str(op[1]).encode(), vid.encode(), db=ix.volumes)
     elif kind == "vol-":
         vol = str(op[1])
         txn.delete(vol.encode(), db=ix.volumes)
@@ -135,8 +143,9 @@ def apply_op_lmdb(txn: lmdb.Transaction, op: list[Any], ix: Index) -> None:
                     break
     elif kind == "lease":
         holder = str(op[5]).encode()
-        txn.put(_refkey(str(op[1]), str(op[2])), LEASE.pack(int(op[3]), int(op[4])) + holder,
-                db=ix.leases)
+        key = op[6] if len(op) > 6 and isinstance(op[6], bytes) else b""
+        txn.put(_refkey(str(op[1]), str(op[2])),
+                LEASE.pack(int(op[3]), int(op[4]), key) + holder, db=ix.leases)
     elif kind == "ref":
         key = _refkey(str(op[1]), str(op[2]))
         new = op[4]

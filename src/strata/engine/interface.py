@@ -17,11 +17,19 @@ from strata.engine.tree import NodeCache
 
 
 class Lease(NamedTuple):
-    """A time-limited right to publish to one branch; `fencing` only ever grows."""
+    """A time-limited right to publish to one branch; `fencing` only ever grows.
+
+    `id` is the holder's secret ("<fencing>.<32 hex digits>"), returned only by
+    `acquire_lease`: renewing, releasing and publishing under the lease all
+    need it, so nobody else with write access can use or end the lease. The
+    store keeps only `key`, a hash of the secret.
+    """
 
     fencing: int
     expires_ns: int
     holder: str = ""
+    key: bytes = b""
+    id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +49,7 @@ class ChangeSet:
     changes: dict[str, Entry | None]
     message: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
-    lease: int | None = None   # fencing token of the lease held on the branch, if any
+    lease: str | None = None   # id of the lease held on the branch (Lease.id), if any
     # Accept a path the head already holds exactly as this change set wants it.
     # Off by default: two read-modify-writes with equal results are two updates,
     # and accepting both loses one. Only for jobs whose results are idempotent.
@@ -182,11 +190,11 @@ class Store(ABC):
         """Take the branch's lease for `ttl` seconds; `Unavailable` while another holds it."""
 
     @abstractmethod
-    def renew_lease(self, volume: str, branch: str, fencing: int, ttl: float) -> Lease:
+    def renew_lease(self, volume: str, branch: str, lease: str, ttl: float) -> Lease:
         """Extend a held lease; `Forbidden` if it expired or was superseded."""
 
     @abstractmethod
-    def release_lease(self, volume: str, branch: str, fencing: int) -> None: ...
+    def release_lease(self, volume: str, branch: str, lease: str) -> None: ...
 
     # -- publishing ------------------------------------------------------------
 

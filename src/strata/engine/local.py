@@ -14,6 +14,7 @@ import collections
 import contextlib
 import errno
 import fcntl
+import hmac
 import json
 import os
 import threading
@@ -22,6 +23,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import blake3
 
 from strata.engine import pack as packfmt
 from strata.engine.changes import rebase
@@ -86,12 +89,13 @@ def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
     """Create an empty store directory (idempotent on an existing store)."""
     if not 4096 <= block_size <= 16 * 1024 * 1024:
         raise InvalidInput("block size must be between 4 KiB and 16 MiB")
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(path, mode=0o700, exist_ok=True)
     meta = os.path.join(path, "STRATA")
     if os.path.exists(meta):
         read_store_meta(path)
         return
-    os.makedirs(os.path.join(path, "packs"), exist_ok=True)
+    os.chmod(path, 0o700)  # the store is its owner's alone: data, tokens, socket
+    os.makedirs(os.path.join(path, "packs"), mode=0o700, exist_ok=True)
     settings: dict[str, Any] = {"version": STORE_VERSION, "id": uuid.uuid4().hex,
                                 "block_size": block_size}
     if pack_size_limit is not None:
@@ -104,7 +108,7 @@ def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
         settings["pack_age_limit"] = pack_age_limit
     body = json.dumps(settings, sort_keys=True)
     tmp = meta + ".tmp"
-    with open(tmp, "w") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(f"{STORE_MAGIC} {STORE_VERSION}\n{body}\n")
         f.flush()
         os.fsync(f.fileno())
@@ -198,6 +202,10 @@ class LocalStore(Store):
         self._failed: BaseException | None = None
         self.packs_dir = os.path.join(self.path, "packs")
         self.index_dir = os.path.join(self.path, "index")
+        for d in (self.path, self.packs_dir):  # stores made before 0700 was the rule
+            with contextlib.suppress(OSError):
+                if os.stat(d).st_mode & 0o077:
+                    os.chmod(d, 0o700)
         self.node_cache = NodeCache()
         self._snap_cache: dict[str, SnapshotInfo] = {}
         self.stats = {"fsyncs": 0, "commits": 0, "objects_written": 0, "bytes_written": 0}
@@ -210,6 +218,7 @@ class LocalStore(Store):
         self._pending_refs: dict[tuple[str, str], str] = {}
         self._pending_vols: set[str] = set()
         self._leases: dict[tuple[str, str], Lease] = {}
+        self._vol_ids: dict[str, str] = {}  # volume -> id drawn at its creation
         # Durability side (guarded by _cond).
         self._cond = threading.Condition()
         self._syncing = False
@@ -261,6 +270,7 @@ class LocalStore(Store):
         self._replay(start)
         self._vols, self._refs = self.index.load_state()
         self._leases = {k: Lease(*v) for k, v in self.index.load_leases().items()}
+        self._vol_ids = self.index.load_volume_ids()
         self._pending_vols = set(self._vols)
         self._pending_refs = dict(self._refs)
         self._open_writer()
@@ -309,7 +319,7 @@ class LocalStore(Store):
                         {"pack": name, "offset": result.end,
                          "reason": "last record damaged (cut on open)"})
                 if os.stat(path).st_mode & 0o200 == 0:
-                    os.chmod(path, 0o644)
+                    os.chmod(path, 0o600)
                 with open(path, "r+b") as f:
                     f.truncate(result.end)
                     f.flush()
@@ -361,7 +371,7 @@ class LocalStore(Store):
 
     def _new_pack(self, number: int) -> None:
         path = self._pack_path(number)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o600)
         sync = packfmt.new_sync()
         packfmt.write_header(fd, number, self.store_id, sync)
         os.fsync(fd)
@@ -427,7 +437,7 @@ class LocalStore(Store):
             self.stats["fsyncs"] += 1
             self._advance_durable((number, end))
         os.close(fd)
-        os.chmod(self._pack_path(number), 0o444)
+        os.chmod(self._pack_path(number), 0o400)
         self._new_pack(number + 1)
 
     def _advance_durable(self, pos: Pos) -> None:
@@ -503,7 +513,11 @@ class LocalStore(Store):
             for op in ops:
                 _apply_op(op, self._pending_vols, self._pending_refs)
                 if op[0] == "lease":
-                    self._leases[(op[1], op[2])] = Lease(op[3], op[4], op[5])
+                    self._leases[(op[1], op[2])] = Lease(op[3], op[4], op[5], op[6])
+                elif op[0] == "vol+":
+                    self._vol_ids[op[1]] = op[2]
+                elif op[0] == "vol-":
+                    self._vol_ids.pop(op[1], None)
             self._undurable.append((end, ops))
             self._unindexed.append((end, "commit", ops))
             self.stats["commits"] += 1
@@ -710,6 +724,13 @@ class LocalStore(Store):
             raise NotFound(f"no branch {branch!r} in volume {volume!r}")
         return sid
 
+    def volume_id(self, volume: str) -> str:
+        """The id drawn when `volume` was created; a volume made again gets a new one."""
+        check_volume(volume)
+        if volume not in self._vols:
+            raise NotFound(f"no volume {volume!r}")
+        return self._vol_ids.get(volume, "")
+
     def heads(self, refs: Sequence[tuple[str, str]]) -> list[str]:
         self._check_open()
         current = self._refs  # swapped whole when commits become durable: one instant
@@ -730,7 +751,10 @@ class LocalStore(Store):
         with self._branch_lock(name, "live"):
             if name in self._pending_vols:
                 raise AlreadyExists(f"volume {name!r} already exists")
-            pos = self._commit([["vol+", name], ["ref", name, "live", None, EMPTY_SNAPSHOT_ID]])
+            # A fresh id per creation: a volume deleted and created again under the
+            # same name is another volume (tokens bound to the old one stop working).
+            pos = self._commit([["vol+", name, uuid.uuid4().hex],
+                                ["ref", name, "live", None, EMPTY_SNAPSHOT_ID]])
         self._wait_durable(pos)
         return EMPTY_SNAPSHOT_ID
 
@@ -796,41 +820,49 @@ class LocalStore(Store):
                 wait = (cur.expires_ns - now) / 1e9
                 raise Unavailable(f"{volume}@{branch} is leased (fencing token {cur.fencing}) "
                                   f"for {wait:.1f}s more", retry_after=min(wait, 5.0))
-            lease = Lease((cur.fencing if cur else 0) + 1, now + int(ttl * 1e9), holder)
-            pos = self._commit([["lease", volume, branch, *lease]])
+            fencing = (cur.fencing if cur else 0) + 1
+            secret = os.urandom(16)
+            lease = Lease(fencing, now + int(ttl * 1e9), holder, _lease_key(secret))
+            pos = self._commit([["lease", volume, branch, *lease[:4]]])
         self._wait_durable(pos)
-        return lease
+        return lease._replace(id=f"{fencing}.{secret.hex()}")
 
-    def renew_lease(self, volume: str, branch: str, fencing: int, ttl: float) -> Lease:
+    def renew_lease(self, volume: str, branch: str, lease: str, ttl: float) -> Lease:
         check_volume(volume)
         check_branch(branch)
         _check_ttl(ttl)
         with self._branch_lock(volume, branch):
-            cur = self._live_lease(volume, branch, fencing)
-            lease = Lease(fencing, time.time_ns() + int(ttl * 1e9), cur.holder)
-            pos = self._commit([["lease", volume, branch, *lease]])
+            cur = self._live_lease(volume, branch, lease)
+            new = cur._replace(expires_ns=time.time_ns() + int(ttl * 1e9))
+            pos = self._commit([["lease", volume, branch, *new[:4]]])
         self._wait_durable(pos)
-        return lease
+        return new._replace(id=lease)
 
-    def release_lease(self, volume: str, branch: str, fencing: int) -> None:
+    def release_lease(self, volume: str, branch: str, lease: str) -> None:
         check_volume(volume)
         check_branch(branch)
         with self._branch_lock(volume, branch):
             cur = self._leases.get((volume, branch))
-            if cur is None or cur.fencing != fencing or cur.expires_ns == 0:
-                return  # already released, expired and taken over, or never held
-            pos = self._commit([["lease", volume, branch, fencing, 0, cur.holder]])
+            if cur is None or cur.expires_ns == 0:
+                return  # already released, or never held
+            if not _lease_matches(cur, lease):
+                if _lease_fencing(lease) < cur.fencing:
+                    return  # expired and taken over since: nothing of ours to release
+                raise Forbidden(f"that is not the id of the lease on {volume}@{branch}")
+            pos = self._commit([["lease", volume, branch, cur.fencing, 0, cur.holder,
+                                 cur.key]])
         self._wait_durable(pos)
 
     def lease_of(self, volume: str, branch: str) -> Lease | None:
         cur = self._leases.get((volume, branch))
         return cur if cur is not None and cur.expires_ns > time.time_ns() else None
 
-    def _live_lease(self, volume: str, branch: str, fencing: int) -> Lease:
+    def _live_lease(self, volume: str, branch: str, lease: str) -> Lease:
         cur = self._leases.get((volume, branch))
-        if cur is None or cur.fencing != fencing or cur.expires_ns <= time.time_ns():
-            raise Forbidden(f"lease {fencing} on {volume}@{branch} has expired or been "
-                            "superseded")
+        if (cur is None or not _lease_matches(cur, lease)
+                or cur.expires_ns <= time.time_ns()):
+            raise Forbidden(f"lease {_lease_fencing(lease)} on {volume}@{branch} has expired, "
+                            "been superseded, or is not yours")
         return cur
 
     def find_snapshot(self, prefix: str) -> str:
@@ -1179,6 +1211,32 @@ class LocalStore(Store):
         self._read_fds.clear()
         self.index.close()
         self._lock.release()
+
+
+def _lease_key(secret: bytes) -> bytes:
+    return blake3.blake3(b"strata lease\0" + secret).digest(length=16)
+
+
+def _lease_fencing(lease: object) -> int:
+    """The fencing number a lease id names (0 if it is not a lease id)."""
+    if not isinstance(lease, str):
+        return 0
+    head, _, _ = lease.partition(".")
+    return int(head) if head.isdigit() and len(head) < 20 else 0
+
+
+def _lease_matches(cur: Lease, lease: object) -> bool:
+    """True if `lease` is the id of `cur`: its fencing number and its secret."""
+    if not isinstance(lease, str) or not cur.key:
+        return False
+    head, _, secret_hex = lease.partition(".")
+    if not head.isdigit() or int(head) != cur.fencing or len(secret_hex) != 32:
+        return False
+    try:
+        secret = bytes.fromhex(secret_hex)
+    except ValueError:
+        return False
+    return hmac.compare_digest(_lease_key(secret), cur.key)
 
 
 def _check_ttl(ttl: float) -> None:

@@ -203,7 +203,7 @@ class Transaction:
         self.content = ContentWriter(store)
         self.trees = Trees(self.content, cache if cache is not None else store.node_cache)
         self._base_root: Entry | None = store.snapshot(self.base).root
-        self.lease: int | None = None  # fencing token sent with every publish, if set
+        self.lease: str | None = None  # lease id sent with every publish, if set
         self.identical = False  # accept paths the head already holds as we want them
         self.changes: dict[str, Entry | None] = {}
         self._children: dict[str, set[str]] = {}

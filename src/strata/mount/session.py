@@ -83,8 +83,9 @@ class MountState:
         return self.lower if self.single else os.path.join(self.lower, v.name)
 
     def save(self) -> None:
+        # It may hold a bearer token: owner-only, like the directory around it.
         tmp = os.path.join(self.scratch, "state.json.tmp")
-        with open(tmp, "w") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump({**asdict(self)}, f, indent=1)
         os.rename(tmp, os.path.join(self.scratch, "state.json"))
 
@@ -99,7 +100,10 @@ class MountState:
 def new_state(mountpoint: str, server: str | None, volumes: list[VolumeState],
               single: bool, extra: dict[str, Any] | None = None) -> MountState:
     mid = uuid.uuid4().hex[:12]
-    scratch = os.path.join(scratch_root(), mid)
+    root = scratch_root()
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    scratch = os.path.join(root, mid)
+    os.mkdir(scratch, 0o700)  # state.json (a token), the upper directory: owner only
     os.makedirs(os.path.join(scratch, "lower"), mode=0o700)
     for v in volumes:
         os.makedirs(os.path.join(scratch, "upper", v.name or "_"), mode=0o755)
@@ -246,7 +250,7 @@ class CommitResult:
 
 def commit(store: Store, state: MountState, *, message: str = "",
            meta: dict[str, Any] | None = None, names: list[str] | None = None,
-           leases: dict[str, int] | None = None, identical: bool = False) -> CommitResult:
+           leases: dict[str, str] | None = None, identical: bool = False) -> CommitResult:
     """Publish the mount's volumes (all, or `names`) in one atomic commit.
 
     `identical` accepts paths the head already holds exactly as the mount

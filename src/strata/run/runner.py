@@ -60,20 +60,20 @@ class _Leases:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.held: dict[str, tuple[str, str, int]] = {}  # name -> (volume, branch, fencing)
+        self.held: dict[str, tuple[str, str, str]] = {}  # name -> (volume, branch, lease id)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost: list[str] = []
 
     def acquire(self, name: str, volume: str, branch: str, holder: str,
-                wait: float) -> int:
+                wait: float) -> str:
         deadline = time.monotonic() + wait
         delay = 0.05
         while True:
             try:
                 lease = self.store.acquire_lease(volume, branch, LEASE_TTL, holder)
-                self.held[name] = (volume, branch, lease.fencing)
-                return lease.fencing
+                self.held[name] = (volume, branch, lease.id)
+                return lease.id
             except Unavailable:
                 if time.monotonic() >= deadline:
                     raise
@@ -87,22 +87,22 @@ class _Leases:
 
     def _renew(self) -> None:
         while not self._stop.wait(LEASE_TTL / 3):
-            for name, (volume, branch, fencing) in list(self.held.items()):
+            for name, (volume, branch, lease) in list(self.held.items()):
                 try:
-                    self.store.renew_lease(volume, branch, fencing, LEASE_TTL)
+                    self.store.renew_lease(volume, branch, lease, LEASE_TTL)
                 except StrataError:
                     self.lost.append(name)
 
-    def tokens(self) -> dict[str, int]:
+    def tokens(self) -> dict[str, str]:
         return {name: f for name, (_v, _b, f) in self.held.items()}
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        for volume, branch, fencing in self.held.values():
+        for volume, branch, lease in self.held.values():
             with contextlib.suppress(StrataError):
-                self.store.release_lease(volume, branch, fencing)
+                self.store.release_lease(volume, branch, lease)
         self.held.clear()
 
 
@@ -192,7 +192,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
 
 
 def _publish(store: Store, state: MountState, result: StepResult, argv: list[str],
-             message: str | None, leases: dict[str, int], identical: bool) -> None:
+             message: str | None, leases: dict[str, str], identical: bool) -> None:
     msg = message or f"run {result.run_id}: {' '.join(argv)[:200]}"
     meta = {"run": result.run_id, "argv": argv[:64]}
     try:

@@ -100,6 +100,18 @@ def _error_response(exc: StrataError) -> web.Response:
     return web.json_response(wire.error_body(exc), status=status, headers=headers)
 
 
+def _check_token_volume(state: Any, scope: Scope) -> None:
+    """A token works only for the volume it was made for, not a later one of that name."""
+    if scope.volume is None:
+        return
+    try:
+        current = state.need_store().volume_id(scope.volume)
+    except NotFound:
+        current = None
+    if current != scope.volume_id:
+        raise Unauthenticated("token's volume no longer exists (deleted or made anew)")
+
+
 @web.middleware
 async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
@@ -113,7 +125,9 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
             auth = request.headers.get("Authorization", "")
             if not auth.startswith("Bearer "):
                 raise Unauthenticated("missing bearer token")
-            request["scope"] = state.tokens.verify(auth[7:].strip())
+            scope = state.tokens.verify(auth[7:].strip())
+            _check_token_volume(state, scope)
+            request["scope"] = scope
         # Requests that use the store are drained before a handoff or stop closes it;
         # fsck too (it reads every pack). Handoff and stop themselves must not count.
         if request.path.startswith("/v1/") and (not request.path.startswith("/v1/admin/")
@@ -430,15 +444,16 @@ async def lease(request: web.Request) -> web.Response:
         got = await state.run(store.acquire_lease, volume, branch, ttl, holder)
     elif action == "renew":
         got = await state.run(store.renew_lease, volume, branch,
-                              int(_field(body, "fencing", int)),
+                              _field(body, "lease", str),
                               float(_field(body, "ttl", (int, float))))
     elif action == "release":
-        await state.run(store.release_lease, volume, branch, int(_field(body, "fencing", int)))
+        await state.run(store.release_lease, volume, branch, _field(body, "lease", str))
         return web.json_response({"released": True})
     else:
         raise NotFound(f"no lease action {action!r}")
+    # The id (the holder's secret) goes back only to whoever acquired or renewed with it.
     return web.json_response({"fencing": got.fencing, "expires_ns": got.expires_ns,
-                              "holder": got.holder})
+                              "holder": got.holder, "lease": got.id})
 
 
 # -- owner-only administration ------------------------------------------------------------
@@ -452,9 +467,12 @@ async def token_create(request: web.Request) -> web.Response:
     _owner(request)
     body = await _json(request)
     ttl = _field(body, "ttl", (int, float), optional=True)
-    token, tinfo = request.app[STATE].tokens.create(
-        _field(body, "volume", str), _field(body, "branch", str, optional=True),
-        bool(_field(body, "writable", bool)), float(ttl) if ttl is not None else None)
+    volume = check_volume(_field(body, "volume", str))
+    state = request.app[STATE]
+    vid = await state.run(state.need_store().volume_id, volume)  # NotFound: no such volume
+    token, tinfo = state.tokens.create(
+        volume, _field(body, "branch", str, optional=True),
+        bool(_field(body, "writable", bool)), float(ttl) if ttl is not None else None, vid)
     return web.json_response({"token": token, "id": tinfo.id, "volume": tinfo.volume,
                               "branch": tinfo.branch, "writable": tinfo.writable,
                               "expires": tinfo.expires}, status=201)

@@ -34,6 +34,7 @@ class Scope:
     branch: str | None
     writable: bool
     token_id: str | None = None
+    volume_id: str = ""  # the identity of `volume` when the token was made
 
     def check_volume(self, volume: str) -> None:
         if self.volume is not None and volume != self.volume:
@@ -66,6 +67,7 @@ class TokenInfo:
     writable: bool
     expires: float | None  # seconds since the epoch
     created: float
+    volume_id: str = ""
 
 
 def _hash(secret: str) -> str:
@@ -101,7 +103,7 @@ class TokenStore:
             os.close(dfd)
 
     def create(self, volume: str, branch: str | None, writable: bool,
-               ttl: float | None) -> tuple[str, TokenInfo]:
+               ttl: float | None, volume_id: str = "") -> tuple[str, TokenInfo]:
         check_volume(volume)
         if branch is not None:
             check_branch(branch)
@@ -110,7 +112,8 @@ class TokenStore:
         tid = secrets.token_hex(6)
         secret = secrets.token_urlsafe(32)
         now = time.time()
-        info = TokenInfo(tid, volume, branch, writable, now + ttl if ttl else None, now)
+        info = TokenInfo(tid, volume, branch, writable, now + ttl if ttl else None, now,
+                         volume_id)
         with self._lock:
             self._tokens[tid] = {"hash": _hash(secret), **asdict(info)}
             self._save()
@@ -145,4 +148,4 @@ class TokenStore:
         if expires is not None and time.time() >= float(expires):  # type: ignore[arg-type]
             raise Unauthenticated("token has expired")
         return Scope(str(t["volume"]), t["branch"] and str(t["branch"]),  # type: ignore[arg-type]
-                     bool(t["writable"]), tid)
+                     bool(t["writable"]), tid, str(t.get("volume_id") or ""))

@@ -209,8 +209,8 @@ def _decode_changesets(raw: Any) -> list[ChangeSet]:
                 changes[path] = None if e is None else _entry(e)
             meta = cs.get("meta") or {}
             lease = cs.get("lease")
-            if not isinstance(meta, dict) or (lease is not None and not isinstance(lease, int)):
-                raise TypeError("meta must be a map and lease an integer")
+            if not isinstance(meta, dict) or (lease is not None and not isinstance(lease, str)):
+                raise TypeError("meta must be a map and lease a lease id (string)")
             identical = cs.get("identical", False)
             if not isinstance(identical, bool):
                 raise TypeError("identical must be a boolean")

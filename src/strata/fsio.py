@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from strata.engine.errors import InvalidInput, NotFound
 from strata.engine.interface import ChangeSet, Store
-from strata.engine.names import MAX_NAME, MAX_PATH
+from strata.engine.names import MAX_NAME, MAX_PATH, check_name
 from strata.engine.objects import (
     FILENODE,
     INLINE_MAX,
@@ -306,92 +306,147 @@ def _write_content(fd: int, cw: ContentWriter, e: Entry) -> None:
 
 
 class _Exporter:
-    def __init__(self, store: Store, report: ExportReport) -> None:
+    """Writes a snapshot below one directory and nowhere else.
+
+    Every entry is created relative to an open descriptor of the directory
+    that holds it (mkdirat, openat with O_EXCL|O_NOFOLLOW, symlinkat, mknodat)
+    and every name is checked to be a single component first, so neither a
+    hostile name (``..``, ``a/b``) nor a symlink in the snapshot followed by
+    an entry "under" it can reach outside the target, even if validation on
+    publish missed something. Symlinks are created, never followed.
+    """
+
+    def __init__(self, store: Store, report: ExportReport, privileged: bool) -> None:
         self.cw = ContentWriter(store)
         self.trees = Trees(self.cw, NodeCache())
         self.report = report
         self.root = os.geteuid() == 0
+        self.privileged = privileged
         self.unowned = 0
+        self.setid = 0
+        self.links: dict[int, str] = {}  # hard-link group -> first path (from the root fd)
 
-    def owner(self, path: str, e: Entry) -> None:
+    def owner(self, dfd: int, name: str, e: Entry) -> None:
         try:
-            os.lchown(path, e.uid, e.gid)
+            os.chown(name, e.uid, e.gid, dir_fd=dfd, follow_symlinks=False)
         except PermissionError:
             if self.root:
                 raise
             self.unowned += 1  # reported once: every entry of a foreign tree fails alike
 
-    def xattrs(self, path: str, e: Entry) -> None:
-        for name, value in e.xattrs:
+    def xattrs(self, dfd: int, name: str, rel: str, e: Entry) -> None:
+        # No *at form of setxattr: /proc/self/fd/N is the directory we hold open, and
+        # `name` in it is the entry this export just created (never followed).
+        path = f"/proc/self/fd/{dfd}/{name}"
+        for key, value in e.xattrs:
             try:
-                os.setxattr(path, name, value, follow_symlinks=False)
+                os.setxattr(path, key, value, follow_symlinks=False)
             except OSError as exc:
                 if exc.errno not in _NO_XATTRS:
                     raise
                 self.report.skipped.append(
-                    f"xattr {os.fsdecode(name)} on {path} ({exc.strerror})")
+                    f"xattr {os.fsdecode(key)} on {rel} ({exc.strerror})")
 
-    def finish(self, path: str, e: Entry) -> None:
+    def mode_of(self, e: Entry) -> int:
+        if e.mode & 0o6000 and not self.privileged:
+            self.setid += 1
+            return e.mode & ~0o6000
+        return e.mode
+
+    def finish(self, dfd: int, name: str, rel: str, e: Entry) -> None:
         """Owner, xattrs, mode, mtime, in the order that keeps each one."""
         if self.root or (e.uid, e.gid) != (os.geteuid(), os.getegid()):
-            self.owner(path, e)  # before chmod: chown clears set-id bits
-        self.xattrs(path, e)
+            self.owner(dfd, name, e)  # before chmod: chown clears set-id bits
+        self.xattrs(dfd, name, rel, e)
         if e.kind != K_SYMLINK:
-            os.chmod(path, e.mode)
-        os.utime(path, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
+            os.chmod(f"/proc/self/fd/{dfd}/{name}", self.mode_of(e))
+        os.utime(name, ns=(e.mtime_ns, e.mtime_ns), dir_fd=dfd, follow_symlinks=False)
 
-    def special(self, path: str, e: Entry) -> bool:
+    def special(self, dfd: int, name: str, rel: str, e: Entry) -> bool:
+        if e.kind in (K_CHR, K_BLK) and not self.privileged:
+            self.report.skipped.append(f"device node {rel} (export with --privileged)")
+            return False
         fmt = {K_FIFO: st.S_IFIFO, K_CHR: st.S_IFCHR, K_BLK: st.S_IFBLK,
                K_SOCK: st.S_IFSOCK}[e.kind]
         try:
-            if e.kind == K_FIFO:
-                os.mkfifo(path, 0o600)
-            else:
-                os.mknod(path, fmt | 0o600, e.rdev)
+            os.mknod(name, fmt | 0o600, e.rdev, dir_fd=dfd)
         except PermissionError as exc:
-            self.report.skipped.append(f"special file {path} ({exc.strerror})")
+            self.report.skipped.append(f"special file {rel} ({exc.strerror})")
             return False
         return True
 
-    def run(self, root: Entry, dst: str) -> None:
-        dirs: list[tuple[str, Entry]] = [(dst, root)]
-        links: dict[int, str] = {}
-        for rel, e in self.trees.walk(root):
-            path = os.path.join(dst, rel)
+    def finish_root(self, rootfd: int, root: Entry) -> None:
+        if self.root or (root.uid, root.gid) != (os.geteuid(), os.getegid()):
+            try:
+                os.fchown(rootfd, root.uid, root.gid)
+            except PermissionError:
+                if self.root:
+                    raise
+        self.xattrs(rootfd, ".", ".", root)
+        os.fchmod(rootfd, self.mode_of(root))
+        os.utime(rootfd, ns=(root.mtime_ns, root.mtime_ns))
+
+    def run(self, root: Entry, rootfd: int) -> None:
+        self.directory(rootfd, rootfd, "", root)
+        if self.unowned:
+            self.report.skipped.append(
+                f"the owners of {self.unowned} entries (only root may give files away)")
+        if self.setid:
+            self.report.skipped.append(
+                f"setuid/setgid bits of {self.setid} entries (export with --privileged)")
+
+    def directory(self, rootfd: int, dfd: int, rel: str, d: Entry) -> None:
+        """Create the children of directory `d` (open as `dfd`), then finish them."""
+        if d.ref is None:
+            return
+        subdirs: list[tuple[str, str, Entry]] = []
+        for raw, e in self.trees.iter_dir(d.ref):
+            name = os.fsdecode(check_name(raw))
+            path = f"{rel}/{name}" if rel else name
             if e.kind == K_DIR:
-                os.mkdir(path, 0o700)
-                dirs.append((path, e))
+                os.mkdir(name, 0o700, dir_fd=dfd)
                 self.report.dirs += 1
+                subdirs.append((name, path, e))
                 continue
             if e.kind == K_FILE:
-                if e.ino and e.ino in links:
-                    os.link(links[e.ino], path)
+                if e.ino and e.ino in self.links:
+                    os.link(self.links[e.ino], name, src_dir_fd=rootfd, dst_dir_fd=dfd,
+                            follow_symlinks=False)
                     self.report.links += 1
                     continue
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=dfd)
                 try:
                     _write_content(fd, self.cw, e)
                 finally:
                     os.close(fd)
                 self.report.files += 1
                 if e.ino:
-                    links[e.ino] = path
+                    self.links[e.ino] = path
             elif e.kind == K_SYMLINK:
-                os.symlink(os.fsdecode(e.data or b""), path)
-            elif not self.special(path, e):
+                os.symlink(os.fsdecode(e.data or b""), name, dir_fd=dfd)
+            elif not self.special(dfd, name, path, e):
                 continue
-            self.finish(path, e)
-        # Directories last, deepest first: their mtimes move as children appear,
-        # and a read-only mode must not stop the children being written.
-        for path, e in reversed(dirs):
-            self.finish(path, e)
-        if self.unowned:
-            self.report.skipped.append(
-                f"the owners of {self.unowned} entries (only root may give files away)")
+            self.finish(dfd, name, path, e)
+        # Directories after their contents: their mtimes move as children appear, and
+        # a read-only mode must not stop the children being written.
+        for name, path, e in subdirs:
+            cfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                          dir_fd=dfd)
+            try:
+                self.directory(rootfd, cfd, path, e)
+            finally:
+                os.close(cfd)
+            self.finish(dfd, name, path, e)
 
 
-def export_snapshot(store: Store, snapshot_id: str, dst_dir: str) -> ExportReport:
-    """Write snapshot `snapshot_id` into `dst_dir`, which must be empty or absent."""
+def export_snapshot(store: Store, snapshot_id: str, dst_dir: str, *,
+                    privileged: bool = False) -> ExportReport:
+    """Write snapshot `snapshot_id` into `dst_dir`, which must be empty or absent.
+
+    Setuid/setgid bits and device nodes are restored only with `privileged`
+    (what a snapshot holds is not trusted to grant privileges on this host).
+    """
     root = store.snapshot(snapshot_id).root
     if os.path.lexists(dst_dir):
         if not os.path.isdir(dst_dir) or os.path.islink(dst_dir):
@@ -401,5 +456,11 @@ def export_snapshot(store: Store, snapshot_id: str, dst_dir: str) -> ExportRepor
     else:
         os.makedirs(dst_dir)
     report = ExportReport()
-    _Exporter(store, report).run(root, dst_dir)
+    exporter = _Exporter(store, report, privileged)
+    rootfd = os.open(dst_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        exporter.run(root, rootfd)
+        exporter.finish_root(rootfd, root)
+    finally:
+        os.close(rootfd)
     return report

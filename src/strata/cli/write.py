@@ -49,6 +49,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                        help="write a snapshot into an empty directory, metadata and all")
     p.add_argument("ref", metavar="REF")
     p.add_argument("dir", metavar="DIR")
+    p.add_argument("--privileged", action="store_true",
+                   help="also restore setuid/setgid bits and device nodes (a snapshot is not "
+                        "trusted to grant privileges on this host unless you say so)")
     p.set_defaults(func=cmd_export)
 
 
@@ -132,7 +135,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     ref = parse_ref(args.ref)
     with open_store(args) as store:
-        report = export_snapshot(store, ref.resolve(store), args.dir)
+        report = export_snapshot(store, ref.resolve(store), args.dir,
+                                 privileged=args.privileged)
     for what in report.skipped:
         print(f"strata: warning: not restored: {what}", file=sys.stderr)
     return 0

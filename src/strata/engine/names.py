@@ -45,6 +45,23 @@ def split_path(path: str) -> tuple[str, ...]:
     return parts
 
 
+def check_name(name: bytes) -> bytes:
+    """One directory entry's name as stored: any bytes but ``/`` and NUL, not ``.``/``..``.
+
+    Names inside tree nodes come from clients like everything else; a name
+    that is not a single component could point outside its directory.
+    """
+    if not isinstance(name, bytes) or not name:
+        raise InvalidInput("a directory entry has an empty name")
+    if len(name) > MAX_NAME:
+        raise InvalidInput(f"a directory entry's name is longer than {MAX_NAME} bytes")
+    if b"/" in name or b"\0" in name:
+        raise InvalidInput(f"a directory entry's name contains '/' or NUL: {name[:40]!r}")
+    if name in (b".", b".."):
+        raise InvalidInput(f"a directory entry is named {name.decode()!r}")
+    return name
+
+
 def check_path(path: str) -> str:
     """Return `path` unchanged if it is acceptable, else raise `InvalidInput`."""
     split_path(path)

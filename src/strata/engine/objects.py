@@ -252,3 +252,26 @@ def check_entry(e: Entry) -> None:
         raise InvalidInput("inline file data does not match its size")
     if e.kind == K_SYMLINK and not e.data:
         raise InvalidInput("symlink without a target")
+    if e.uid > _U32 or e.gid > _U32 or e.size > _I63 or not -_I63 <= e.mtime_ns <= _I63:
+        raise InvalidInput("entry owner, size or time is out of range")
+    if not 0 <= e.rdev <= _U64 or not 0 <= e.ino <= _U64 or not 1 <= e.nlink <= _U32:
+        raise InvalidInput("entry device, inode number or link count is out of range")
+    if e.kind == K_DIR and e.data is not None:
+        raise InvalidInput("a directory entry with inline data")
+    if e.kind not in (K_FILE, K_DIR) and e.ref is not None:
+        raise InvalidInput(f"a {ENTRY_KIND_NAMES[e.kind]} entry with a reference")
+    if e.kind in (K_FILE, K_SYMLINK) and len(e.data or b"") > INLINE_MAX + 4096:
+        raise InvalidInput("entry inline data is too long")
+    if e.kind not in (K_FILE, K_SYMLINK) and e.data:
+        raise InvalidInput(f"a {ENTRY_KIND_NAMES[e.kind]} entry with data")
+    if e.kind == K_SYMLINK and b"\0" in (e.data or b""):
+        raise InvalidInput("symlink target contains NUL")
+    names = [name for name, _v in e.xattrs]
+    if any(not n or b"\0" in n or len(n) > 255 for n in names) or len(set(names)) != len(
+            names):
+        raise InvalidInput("an xattr name is empty, repeated, too long or contains NUL")
+
+
+_U32 = 2**32 - 1
+_U64 = 2**64 - 1
+_I63 = 2**63 - 1

@@ -17,6 +17,7 @@ from typing import Any
 from strata.engine import errors
 from strata.engine.errors import InvalidInput, StrataError
 from strata.engine.interface import ChangeSet
+from strata.engine.names import check_name
 from strata.engine.objects import (
     BLOCK,
     FILENODE,
@@ -29,6 +30,7 @@ from strata.engine.objects import (
     FileNode,
     Snapshot,
     TreeNode,
+    check_entry,
     object_id,
     packb,
     unpackb,
@@ -129,18 +131,27 @@ def _check_structure(kind: int, raw: bytes, oid: bytes) -> None:
             if not (isinstance(v, list) and len(v) == 4 and v[0] == 1 and is_int(v[1])
                     and is_int(v[2]) and isinstance(v[3], list) and all(map(ok_id, v[3]))):
                 raise TypeError("malformed file node")
-            FileNode.decode(raw)
+            node = FileNode.decode(raw)
+            if not (4096 <= node.block_size <= 16 * 1024 * 1024 and node.size >= 0
+                    and len(node.blocks) == -(-node.size // node.block_size)):
+                raise TypeError("file node size, block size and block count disagree")
         elif kind == TREE:
             if not (isinstance(v, list) and len(v) == 2 and is_int(v[0])
                     and isinstance(v[1], list)):
                 raise TypeError("malformed tree node")
+            prev = None
             for x in v[1]:
                 if not isinstance(x, list) or not x or not isinstance(x[0], bytes):
                     raise TypeError("malformed tree node entry")
                 if v[0] == 0:
-                    _entry(x[1:])
-                elif not (len(x) == 3 and ok_id(x[1]) and is_int(x[2])):
+                    # Names are what export and the mount create: one component each.
+                    check_name(x[0])
+                    check_entry(_entry(x[1:]))
+                elif not (len(x) == 3 and ok_id(x[1]) and is_int(x[2]) and x[2] > 0):
                     raise TypeError("malformed tree node child")
+                if prev is not None and not prev < x[0]:
+                    raise TypeError("tree node names are not in strictly increasing order")
+                prev = x[0]
             TreeNode.decode(raw)
         elif kind == SNAPSHOT:
             if not (isinstance(v, dict) and v.get("v") == 1 and is_int(v.get("time"))

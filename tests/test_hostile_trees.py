@@ -1,0 +1,163 @@
+"""Finding 3 of the hardening issue: uploaded trees are checked, and export cannot escape.
+
+Tree nodes and entries are built here byte by byte, as an attacker would, not
+through the client library. Over TCP the server refuses every malformed one.
+A store that holds hostile trees anyway (written in-process, below the API's
+checks) still cannot make `export` create or follow anything outside its
+target: names are checked again, and every entry is created relative to a
+directory descriptor with O_NOFOLLOW. Setuid/setgid bits and device nodes are
+restored only with --privileged.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serverutil import Server, cli, free_port  # noqa: E402
+from strata.engine.errors import InvalidInput  # noqa: E402
+from strata.engine.interface import ChangeSet  # noqa: E402
+from strata.engine.local import LocalStore, init_store  # noqa: E402
+from strata.engine.objects import (  # noqa: E402
+    K_CHR,
+    K_DIR,
+    K_FILE,
+    K_SYMLINK,
+    TREE,
+    Entry,
+    object_id,
+    packb,
+)
+from strata.fsio import export_snapshot  # noqa: E402
+from strata.server.wire import OBJ_HEAD  # noqa: E402
+
+
+def entry_list(kind: int = K_FILE, **kw: object) -> list[object]:
+    e = {"kind": kind, "mode": 0o644, "uid": 0, "gid": 0, "mtime_ns": 0, "size": 1,
+         "ref": None, "data": b"x", "rdev": 0, "xattrs": [], "ino": 0, "nlink": 1, **kw}
+    return [e["kind"], e["mode"], e["uid"], e["gid"], e["mtime_ns"], e["size"], e["ref"],
+            e["data"], e["rdev"], e["xattrs"], e["ino"], e["nlink"]]
+
+
+def tree(*entries: tuple[bytes, list[object]]) -> bytes:
+    return packb([0, [[name, *e] for name, e in entries]])
+
+
+def upload(port: int, token: str, raw: bytes) -> tuple[int, str]:
+    body = OBJ_HEAD.pack(TREE, object_id(TREE, raw), len(raw)) + raw
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/v1/objects", body=body, headers={
+            "Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"})
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def test_malformed_tree_nodes_are_refused_over_tcp(tmp_path: Path) -> None:
+    from strata.engine.objects import Entry as E  # noqa: F401 - the layout entry_list mirrors
+    store = tmp_path / "s"
+    init_store(str(store))
+    port = free_port()
+    server = Server(store, tcp_port=port).start()
+    try:
+        assert cli("volume", "create", "v", store=store).returncode == 0
+        tok = json.loads(cli("token", "create", "v", "--rw", "--json", store=store).stdout)
+        hostile = {
+            "dot-dot name": tree((b"..", entry_list())),
+            "dot name": tree((b".", entry_list())),
+            "slash in name": tree((b"a/b", entry_list())),
+            "empty name": tree((b"", entry_list())),
+            "NUL in name": tree((b"a\0b", entry_list())),
+            "name over 255 bytes": tree((b"n" * 256, entry_list())),
+            "names out of order": tree((b"b", entry_list()), (b"a", entry_list())),
+            "name twice": tree((b"a", entry_list()), (b"a", entry_list())),
+            "nlink 0": tree((b"a", entry_list(nlink=0))),
+            "negative ino": tree((b"a", entry_list(ino=-1))),
+            "empty xattr name": tree((b"a", entry_list(xattrs=[[b"", b"v"]]))),
+            "directory with inline data": tree((b"d", entry_list(K_DIR, size=0, data=b"x"))),
+            "time out of range": tree((b"a", entry_list(mtime_ns=2**63))),
+            "negative rdev": tree((b"a", entry_list(rdev=-5))),
+            "symlink with a reference": tree((b"l", entry_list(K_SYMLINK, ref=b"r" * 32))),
+            "NUL in a symlink target": tree((b"l", entry_list(K_SYMLINK, data=b"/a\0b"))),
+        }
+        for what, raw in hostile.items():
+            status, body = upload(port, tok["token"], raw)
+            assert status == 400, (what, status, body)
+        ok = tree((b"a", entry_list()), (b"b\xff\xfe", entry_list()))  # any bytes but / NUL
+        assert upload(port, tok["token"], ok)[0] == 200
+    finally:
+        server.stop()
+
+
+def _hostile_store(tmp: Path, entries: list[tuple[bytes, Entry]]) -> tuple[LocalStore, str]:
+    """A volume whose root holds `entries` as given, written below the API's checks."""
+    init_store(str(tmp / "s"))
+    s = LocalStore(str(tmp / "s"))
+    s.create_volume("v")
+    raw = packb([0, [[name, *e.to_list()] for name, e in sorted(entries)]])
+    s.put_objects([(TREE, raw)])
+    head = s.head("v", "live")
+    root = Entry(kind=K_DIR, mode=0o755, ref=object_id(TREE, raw))
+    (sid,) = s.publish([ChangeSet("v", "live", head, {"": root.with_(ref=None)})])
+    # Point the root at the hostile node: a merge entry cannot, a subtree entry can.
+    inner = Entry(kind=K_DIR, mode=0o755, ref=object_id(TREE, raw))
+    (sid,) = s.publish([ChangeSet("v", "live", sid, {"evil": inner})])
+    return s, sid
+
+
+@pytest.mark.parametrize("name", [b"..", b"../escaped", b"a/../../escaped", b"/tmp/escaped"])
+def test_export_refuses_names_that_leave_the_directory(tmp_path: Path, name: bytes) -> None:
+    s, sid = _hostile_store(tmp_path, [(name, Entry(kind=K_FILE, size=3, data=b"bad"))])
+    out = tmp_path / "deep" / "out"
+    try:
+        with pytest.raises(InvalidInput, match="name"):
+            export_snapshot(s, sid, str(out))
+    finally:
+        s.close()
+    outside = sorted(p.name for p in tmp_path.rglob("*") if "escaped" in p.name
+                     or (p.parent == tmp_path / "deep" and p.name != "out"))
+    assert outside == [] and not Path("/tmp/escaped").exists()
+
+
+def test_export_never_writes_through_a_symlink_in_the_snapshot(tmp_path: Path) -> None:
+    target = tmp_path / "victim"
+    target.mkdir()
+    entries = [(b"link", Entry(kind=K_SYMLINK, mode=0o777, size=len(str(target)),
+                               data=str(target).encode())),
+               (b"link/owned", Entry(kind=K_FILE, size=3, data=b"bad"))]
+    s, sid = _hostile_store(tmp_path, entries)
+    try:
+        with pytest.raises(InvalidInput):
+            export_snapshot(s, sid, str(tmp_path / "out"))
+    finally:
+        s.close()
+    assert list(target.iterdir()) == []
+
+
+def test_setid_bits_and_devices_need_privileged(tmp_path: Path) -> None:
+    entries = [(b"suid", Entry(kind=K_FILE, mode=0o4755, size=2, data=b"#!")),
+               (b"null", Entry(kind=K_CHR, mode=0o666, rdev=os.makedev(1, 3)))]
+    s, sid = _hostile_store(tmp_path, entries)
+    try:
+        report = export_snapshot(s, sid, str(tmp_path / "plain"))
+        plain = tmp_path / "plain" / "evil"
+        assert stat.S_IMODE((plain / "suid").stat().st_mode) == 0o755
+        assert not (plain / "null").exists()
+        assert any("setuid" in r for r in report.skipped)
+        assert any("device node" in r for r in report.skipped)
+        if os.geteuid() == 0:
+            export_snapshot(s, sid, str(tmp_path / "priv"), privileged=True)
+            priv = tmp_path / "priv" / "evil"
+            assert stat.S_IMODE((priv / "suid").stat().st_mode) == 0o4755
+            assert stat.S_ISCHR((priv / "null").lstat().st_mode)
+    finally:
+        s.close()

@@ -337,3 +337,35 @@ def test_a_token_is_bound_to_its_volume_not_its_name(env: Env) -> None:
     assert status == 401, body
     rc, _out, err = env.as_token(tok, "cat", "ephemeral", "secret")
     assert rc != 0 and "new owner" not in _out
+
+
+def test_another_volumes_snapshot_is_answered_as_if_it_did_not_exist(env: Env) -> None:
+    """Finding 2: 'exists elsewhere' and 'does not exist' get the same answer."""
+    tok = env.token("a", "--rw")["token"]
+    b_head = env.owner.head("b", "live")
+    nowhere = "f" * 64 if not b_head.startswith("f") else "e" * 64
+    a_head = env.owner.head("a", "live")
+
+    def answers(sid: str) -> list[tuple[int, str]]:
+        out = []
+        for method, path, body in (
+                ("GET", f"/v1/snapshots/{sid[:12]}", None),
+                ("GET", f"/v1/snapshots/{sid}", None),
+                ("POST", "/v1/volumes/a/branches", {"name": "probe", "at": sid})):
+            status, reply = env.http(method, path, tok, body)
+            out.append((status, json.dumps(reply).replace(sid[:12] if "snapshots/" in path
+                                                          and len(path) < 40 else sid, "ID")))
+        with tcp_store(env, tok) as remote:
+            try:
+                remote.publish([ChangeSet("a", "live", sid, {})])
+                out.append((200, ""))
+            except NotFound as exc:
+                out.append((404, str(exc).replace(sid, "ID")))
+        return out
+
+    theirs, missing = answers(b_head), answers(nowhere)
+    assert theirs == missing, (theirs, missing)
+    assert all(status == 404 for status, _ in theirs), theirs
+    # The token's own history still resolves, by prefix too.
+    status, body = env.http("GET", f"/v1/snapshots/{a_head[:12]}", tok)
+    assert (status, body) == (200, {"id": a_head})

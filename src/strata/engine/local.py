@@ -866,6 +866,15 @@ class LocalStore(Store):
         return cur
 
     def find_snapshot(self, prefix: str) -> str:
+        matches = self.snapshots_with_prefix(prefix, limit=2)
+        if not matches:
+            raise NotFound(f"no snapshot matches {prefix}")
+        if len(matches) > 1:
+            raise InvalidInput(f"snapshot prefix {prefix} is ambiguous")
+        return matches[0]
+
+    def snapshots_with_prefix(self, prefix: str, limit: int = 64) -> list[str]:
+        """Durable snapshot ids starting with `prefix` (at most `limit`), sorted."""
         self._check_open()
         prefix = check_hex_id(prefix, min_len=8)
         matches: set[str] = set()
@@ -881,13 +890,9 @@ class LocalStore(Store):
                 break
             if loc[3] == SNAPSHOT and h.startswith(prefix):
                 matches.add(h)
-                if len(matches) > 1:
+                if len(matches) >= limit:
                     break
-        if not matches:
-            raise NotFound(f"no snapshot matches {prefix}")
-        if len(matches) > 1:
-            raise InvalidInput(f"snapshot prefix {prefix} is ambiguous")
-        return matches.pop()
+        return sorted(matches)[:limit]
 
     # -- publishing ------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from strata.engine.names import check_branch, check_hex_id, check_volume
 from strata.server import wire
 from strata.server.openapi import OPENAPI
 from strata.server.tokens import OWNER, Scope, TokenStore
+from strata.server.visibility import Visibility
 
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -50,6 +51,7 @@ class ServerState:
         self.store_dir = store_dir
         self.store: LocalStore | None = None
         self.tokens = TokenStore(store_dir)
+        self.visibility = Visibility()
         self.mode = "starting"      # starting -> serving -> draining -> stopped
         self.inflight = 0
         self.last_request = time.monotonic()
@@ -358,42 +360,48 @@ async def delete_branch(request: web.Request) -> web.Response:
 
 async def find_snapshot(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    prefix = request.match_info["prefix"]
-    sid = await state.run(state.need_store().find_snapshot, prefix)
+    prefix = check_hex_id(request.match_info["prefix"], min_len=8)
     scope = _scope(request)
-    if not scope.is_owner:
-        # The Store interface names no volume here: a token's own volume is the default.
-        volume = request.query.get("volume") or str(scope.volume)
-        scope.check_volume(volume)
-        try:
-            await _check_visible(request, volume, sid)
-        except NotFound:
-            # Name the prefix, never the match: the full id of another volume's
-            # snapshot would open all of it through GET /v1/objects.
-            raise NotFound(f"no snapshot matches {prefix} in volume {volume!r}") from None
-    return web.json_response({"id": sid})
+    if scope.is_owner:
+        sid = await state.run(state.need_store().find_snapshot, prefix)
+        return web.json_response({"id": sid})
+    # The Store interface names no volume here: a token's own volume is the default.
+    volume = request.query.get("volume") or str(scope.volume)
+    scope.check_volume(volume)
+    store = state.need_store()
+
+    def resolve() -> list[str]:
+        # Only matches in the volume's history count, so another volume's snapshot
+        # neither resolves nor makes a prefix ambiguous: the answers are the same
+        # as if it did not exist.
+        vid = store.volume_id(volume)
+        return [m for m in store.snapshots_with_prefix(prefix)
+                if state.visibility.contains(store, vid, volume, m)]
+
+    matches = await state.run(resolve)
+    if not matches:
+        raise NotFound(f"no snapshot matches {prefix} in volume {volume!r}")
+    if len(matches) > 1:
+        raise InvalidInput(f"snapshot prefix {prefix} is ambiguous")
+    return web.json_response({"id": matches[0]})
 
 
 async def _check_visible(request: web.Request, volume: str, sid: str) -> None:
-    """A scoped token may only name snapshots in its own volume's history."""
+    """A scoped token may only name snapshots in its own volume's history.
+
+    A snapshot that does not exist and one of another volume get the same
+    answer, word for word.
+    """
     scope = _scope(request)
     if scope.is_owner:
         return
     state = request.app[STATE]
+    store = state.need_store()
 
-    def reachable() -> bool:
-        store = state.need_store()
-        for head in store.list_branches(volume).values():
-            cur: str | None = head
-            for _ in range(100_000):
-                if cur is None:
-                    break
-                if cur == sid:
-                    return True
-                cur = store.snapshot(cur).parent
-        return False
+    def visible() -> bool:
+        return state.visibility.contains(store, store.volume_id(volume), volume, sid)
 
-    if not await state.run(reachable):
+    if not await state.run(visible):
         raise NotFound(f"no snapshot {sid} in volume {volume!r}")
 
 

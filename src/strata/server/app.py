@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -40,7 +41,12 @@ T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SCOPE_KEY = web.AppKey("scope_key", str)
 MAX_BODY = wire.MAX_BODY
-MAX_BATCH_GET = 1024  # ids per batch read (1024 blocks = 64 MiB at the default size)
+MAX_BATCH_GET = 1024  # ids per batch read
+MAX_BATCH_ANSWER = 32 * 1024 * 1024  # bytes of objects in one batch answer (or its first one)
+# Bytes of large request bodies held at once, server-wide: a request whose body
+# would pass it waits (small requests, under LARGE_BODY, never do).
+BODY_BUDGET = 256 * 1024 * 1024
+LARGE_BODY = 1024 * 1024
 PREFETCH_MAX = 256 * 1024  # bytes of new tree nodes sent back with a publish
 
 
@@ -52,6 +58,7 @@ class ServerState:
         self.store: LocalStore | None = None
         self.tokens = TokenStore(store_dir)
         self.visibility = Visibility()
+        self.budget = ByteBudget(BODY_BUDGET)
         self.mode = "starting"      # starting -> serving -> draining -> stopped
         self.inflight = 0
         self.last_request = time.monotonic()
@@ -102,6 +109,41 @@ def _error_response(exc: StrataError) -> web.Response:
     return web.json_response(wire.error_body(exc), status=status, headers=headers)
 
 
+def _body_size(request: web.Request) -> int:
+    """What a request's body may hold in memory: its length, or the most a chunked one may."""
+    if request.content_length is not None:
+        return request.content_length
+    return MAX_BODY if request.body_exists else 0
+
+
+class ByteBudget:
+    """Bytes of large request bodies in memory at once, server-wide (see BODY_BUDGET)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond: asyncio.Condition | None = None
+
+    @contextlib.asynccontextmanager
+    async def hold(self, n: int) -> AsyncIterator[None]:
+        if n < LARGE_BODY:
+            yield
+            return
+        n = min(n, self.limit)
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        cond = self._cond
+        async with cond:
+            await cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+        try:
+            yield
+        finally:
+            async with cond:
+                self.used -= n
+                cond.notify_all()
+
+
 def _check_token_volume(state: Any, scope: Scope) -> None:
     """A token works only for the volume it was made for, not a later one of that name."""
     if scope.volume is None:
@@ -138,7 +180,8 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
             state.inflight += 1
             state.idle.clear()
             try:
-                return await handler(request)
+                async with state.budget.hold(_body_size(request)):
+                    return await handler(request)
             finally:
                 state.inflight -= 1
                 if state.inflight == 0:
@@ -186,15 +229,17 @@ class TooLarge(InvalidInput):
     http_status = 413
 
 
-async def _body(request: web.Request) -> bytes:
-    if request.content_length is not None and request.content_length > MAX_BODY:
-        raise TooLarge(f"request body over {MAX_BODY} bytes")
+async def _body(request: web.Request, limit: int = MAX_BODY) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise TooLarge(f"request body over {limit} bytes")
     try:
         data = await request.read()
     except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past client_max_size
         raise TooLarge(f"request body over {MAX_BODY} bytes") from None
     except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
         raise InvalidInput("request body truncated") from exc
+    if len(data) > limit:
+        raise TooLarge(f"request body over {limit} bytes")
     if request.content_length is not None and len(data) != request.content_length:
         raise InvalidInput("request body truncated")
     return data
@@ -256,20 +301,35 @@ async def get_object(request: web.Request) -> web.Response:
 
 
 async def get_objects(request: web.Request) -> web.Response:
-    """Several objects in one answer: for each id, a u32 length and the raw bytes."""
+    """Several objects in one answer: for each id, a u32 length and the raw bytes.
+
+    An answer holds at most MAX_BATCH_ANSWER bytes (and always the first
+    object): the ids it covers are in `X-Strata-Count`, and the client asks
+    again for the rest. Without the cap, 1024 copies of one large id would
+    make one request hold 1024 times that object.
+    """
     state = request.app[STATE]
-    ids = wire.decode_ids(await _body(request))
+    ids = wire.decode_ids(await _body(request, limit=MAX_BATCH_GET * 32))
     if len(ids) > MAX_BATCH_GET:
         raise InvalidInput(f"at most {MAX_BATCH_GET} ids per batch read")
     store = state.need_store()
 
     def read() -> list[bytes]:
-        return [store.get_object(oid) for oid in ids]
+        out: list[bytes] = []
+        size = 0
+        for oid in ids:
+            raw = store.get_object(oid)
+            if out and size + len(raw) > MAX_BATCH_ANSWER:
+                break
+            out.append(raw)
+            size += len(raw)
+        return out
 
     raws = await state.run(read)
     state.served["objects_served"] += len(raws)
     state.served["bytes_served"] += sum(len(r) for r in raws)
-    return web.Response(body=wire.encode_blobs(raws), content_type="application/octet-stream")
+    return web.Response(body=wire.encode_blobs(raws), content_type="application/octet-stream",
+                        headers={"X-Strata-Count": str(len(raws))})
 
 
 def _oid(text: str) -> bytes:
@@ -407,8 +467,9 @@ async def _check_visible(request: web.Request, volume: str, sid: str) -> None:
 
 async def publish(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    changesets, objects, txid = wire.decode_publish(await _body(request))
     scope = _scope(request)
+    scope.check_write()  # a read-only token is refused before a byte of its body is read
+    changesets, objects, txid = wire.decode_publish(await _body(request))
     for cs in changesets:
         scope.check_branch(cs.volume, cs.branch, write=True)
         if not scope.is_owner:

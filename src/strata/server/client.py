@@ -212,12 +212,18 @@ class RemoteStore(Store):
 
     def get_objects(self, ids: Sequence[bytes]) -> list[bytes]:
         out: list[bytes] = []
-        for start in range(0, len(ids), 1024):
+        start = 0
+        while start < len(ids):
             chunk = ids[start:start + 1024]
-            _s, _h, data = self.request("POST", "/v1/objects/get", wire.encode_ids(chunk),
-                                        "application/octet-stream")
+            _s, headers, data = self.request("POST", "/v1/objects/get", wire.encode_ids(chunk),
+                                             "application/octet-stream")
+            # The server may answer only the first ids (its answers are size-capped).
+            count = int(headers.get("x-strata-count", len(chunk)))
+            if not 1 <= count <= len(chunk):
+                raise InvalidInput(f"server answered {count} of {len(chunk)} objects")
             out += [_verified(oid, raw) for oid, raw in zip(
-                chunk, wire.decode_blobs(data, len(chunk)), strict=True)]
+                chunk[:count], wire.decode_blobs(data, count), strict=True)]
+            start += count
         return out
 
     def get_range(self, oid: bytes, offset: int, length: int) -> bytes:

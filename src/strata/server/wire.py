@@ -37,7 +37,7 @@ from strata.engine.objects import (
 )
 
 OBJ_HEAD = struct.Struct("<B32sI")
-MAX_BODY = 256 * 1024 * 1024
+MAX_BODY = 128 * 1024 * 1024  # a batch of 32 MiB plus one object of up to 64 MiB fits
 MAX_IDS = 1_000_000
 
 

@@ -322,3 +322,20 @@ def test_git_commit_under_gvisor_is_published(senv: StepEnv, tmp_path: Path) -> 
                        text=True, env={**os.environ, "HOME": str(tmp_path)})
     assert p.stdout.strip() == f"{commit_id} first commit", p
     senv.wait_clean()
+
+
+def test_names_that_are_not_utf8_are_published_byte_exact(senv: StepEnv, tmp_path: Path) -> None:
+    """Finding 7 of the hardening issue: a step (mount commit) with Latin-1 and raw-byte names."""
+    script = (f"cd {VOL} && printf latin1 > \"$(printf 'caf\\351.txt')\" && "
+              f"mkdir \"$(printf 'd\\377')\" && printf x > \"$(printf 'd\\377')/x\"")
+    r = senv.step(["v"], sh(script))
+    assert r.rc == 0, (r.rc, r.stderr)
+    raw = subprocess.run([*senv.step_argv([], ["true"])[:3], "ls", "v"], env=senv.env,
+                         capture_output=True, timeout=60)
+    assert raw.returncode == 0 and raw.stdout.split(b"\n")[:2] == [b"caf\xe9.txt", b"d\xff"]
+    assert senv.run("cat", "v", '"caf\\351.txt"').stdout == "latin1"  # as the CLI shows it
+    out = tmp_path / "out"
+    senv.run("export", "v", str(out))
+    assert (out / os.fsdecode(b"caf\xe9.txt")).read_bytes() == b"latin1"
+    assert (out / os.fsdecode(b"d\xff") / "x").read_bytes() == b"x"
+    senv.wait_clean()

@@ -128,3 +128,12 @@ def test_hex_ids() -> None:
     for bad in ["abcdef0", "ABCDEF01", "abcdefgh", "ab" * 33]:
         with pytest.raises(InvalidInput):
             check_hex_id(bad, min_len=8)
+
+
+def test_cli_quotes_names_like_git_and_reads_them_back() -> None:
+    from strata.cli.common import quote_path, unquote_path
+    cases = {"plain.txt": "plain.txt", "ünï": "ünï", "caf\udce9.txt": '"caf\\351.txt"',
+             "tab\tname": '"tab\\tname"', 'q"uote': '"q\\"uote"', "d\udcff/x": '"d\\377/x"'}
+    for name, shown in cases.items():
+        assert quote_path(name) == shown
+        assert unquote_path(shown) == name

@@ -143,6 +143,65 @@ def lookup(store: Store, sid: str, path: str) -> Entry:
     return e
 
 
+_C_ESCAPES = {"\a": "a", "\b": "b", "\t": "t", "\n": "n", "\v": "v", "\f": "f", "\r": "r",
+              '"': '"', "\\": "\\"}
+
+
+def quote_path(path: str) -> str:
+    r"""A name as git shows it, quoted only when it must be.
+
+    Printable UTF-8 stays as is; anything else goes in double quotes with C
+    escapes, and the bytes that are not UTF-8 in octal ("caf\351.txt").
+    Names hold any bytes but / and NUL; in strata's strings a byte that is not
+    UTF-8 is a lone surrogate (Python's surrogateescape). `unquote_path` reads
+    the quoted form back, so a name shown can be typed as shown.
+    """
+    if path.isprintable() and '"' not in path and "\\" not in path:
+        return path
+    out = []
+    for ch in path:
+        if ch in _C_ESCAPES:
+            out.append("\\" + _C_ESCAPES[ch])
+        elif 0xDC80 <= ord(ch) <= 0xDCFF:  # a byte that was not UTF-8
+            out.append(f"\\{ord(ch) - 0xDC00:03o}")
+        elif not ch.isprintable():
+            out.extend(f"\\{b:03o}" for b in ch.encode("utf-8", "surrogateescape"))
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def unquote_path(arg: str) -> str:
+    """A path argument as the user meant it: a git-style quoted name is unescaped."""
+    if len(arg) < 2 or not (arg.startswith('"') and arg.endswith('"')):
+        return arg
+    body = arg[1:-1]
+    raw = bytearray()
+    i = 0
+    reverse = {v: k for k, v in _C_ESCAPES.items()}
+    while i < len(body):
+        ch = body[i]
+        if ch == "\\" and i + 1 < len(body):
+            nxt = body[i + 1]
+            if nxt in "01234567" and i + 3 < len(body) + 1 and all(
+                    c in "01234567" for c in body[i + 1:i + 4]) and len(body[i + 1:i + 4]) == 3:
+                raw.append(int(body[i + 1:i + 4], 8) & 0xFF)
+                i += 4
+                continue
+            if nxt in reverse:
+                raw.extend(reverse[nxt].encode())
+                i += 2
+                continue
+        raw.extend(ch.encode("utf-8", "surrogateescape"))
+        i += 1
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def show_path(path: str) -> str:
+    """How the CLI prints a name: quoted on a terminal, the raw bytes into a pipe (as ls)."""
+    return quote_path(path) if sys.stdout.isatty() else path
+
+
 def print_json(value: Any) -> None:
     json.dump(value, sys.stdout, indent=2)
     sys.stdout.write("\n")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from strata import __version__
 from strata.cli import admin, branches, mount, read, run, serve, volumes, write
+from strata.cli.common import quote_path, unquote_path
 from strata.engine.errors import Conflict, StrataError
 
 EPILOG = """\
@@ -56,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="surrogateescape")
     debug = bool(getattr(args, "debug", False))
+    if isinstance(getattr(args, "path", None), str):
+        args.path = unquote_path(args.path)  # a name typed as the CLI shows it
     try:
         code: int = args.func(args)
         sys.stdout.flush()
@@ -65,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"strata: error: conflict: {len(exc.paths)} path(s) changed on both sides since "
               "the base; nothing was published", file=sys.stderr)
         for path in exc.paths:
-            print(path or "/", file=sys.stderr)
+            print(quote_path(path) if path else "/", file=sys.stderr)
         return exc.exit_code
     except StrataError as exc:
         _trace(debug)

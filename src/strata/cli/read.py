@@ -15,6 +15,7 @@ from strata.cli.common import (
     parse_ref,
     print_json,
     short,
+    show_path,
 )
 from strata.engine.errors import InvalidInput
 from strata.engine.objects import K_DIR, K_FILE, FileNode
@@ -85,10 +86,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print_json([entry_json(prefix + name, c) | {"name": name} for name, c in items])
     elif args.long:
         for name, c in items:
-            print(long_line(name, c))
+            print(long_line(show_path(name), c))
     else:
         for name, _c in items:
-            print(name)
+            print(show_path(name))
     return 0
 
 
@@ -144,5 +145,5 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print_json(rows)
     else:
         for r in rows:
-            print(f"{r['change'][0].upper()}  {r['path']}")
+            print(f"{r['change'][0].upper()}  {show_path(r['path'])}")
     return 0

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from strata.cli.common import open_remote, print_json
+from strata.cli.common import open_remote, print_json, quote_path
 from strata.engine.errors import InvalidInput
 
 
@@ -69,7 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
               f"began; nothing was published (kept on rejected/{result.run_id})",
               file=sys.stderr)
         for path in result.conflicts:
-            print(path, file=sys.stderr)
+            print(quote_path(path), file=sys.stderr)
     elif result.timed_out:
         print(f"strata: step timed out after {args.timeout:g}s; nothing was published",
               file=sys.stderr)

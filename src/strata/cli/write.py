@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from strata.cli.common import open_store, parse_ref, resolve_base
+from strata.cli.common import open_store, parse_ref, quote_path, resolve_base
 from strata.engine.names import split_path
 from strata.engine.txn import Transaction
 from strata.fsio import export_snapshot, import_dir
@@ -81,7 +81,8 @@ def cmd_put(args: argparse.Namespace) -> int:
         if len(parts) > 1:
             txn.mkdir("/".join(parts[:-1]), parents=True, exist_ok=True)
         txn.write(args.path, data)
-        sid = txn.commit(args.message if args.message is not None else f"put {args.path}")
+        sid = txn.commit(args.message if args.message is not None
+                         else f"put {quote_path(args.path)}")
     print(sid)
     return 0
 
@@ -94,7 +95,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
         txn = Transaction(store, ref.volume, branch, base=resolve_base(store, args.base))
         txn.identical = args.merge_identical
         txn.remove(args.path, recursive=args.recursive)
-        sid = txn.commit(args.message if args.message is not None else f"rm {args.path}")
+        sid = txn.commit(args.message if args.message is not None
+                         else f"rm {quote_path(args.path)}")
     print(sid)
     return 0
 
@@ -122,7 +124,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     ref = parse_ref(args.ref)
     branch = ref.need_branch()
     src = args.dir
-    message = args.message if args.message is not None else f"import {os.path.abspath(src)}"
+    message = (args.message if args.message is not None
+               else f"import {quote_path(os.path.abspath(src))}")
     with open_store(args) as store:
         base = resolve_base(store, args.base)
         with _progress_bar(sys.stderr.isatty()) as progress:

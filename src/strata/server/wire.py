@@ -196,7 +196,9 @@ def decode_publish(body: bytes
 def _changesets(changesets: Sequence[ChangeSet]) -> list[dict[str, Any]]:
     return [{
         "volume": cs.volume, "branch": cs.branch, "base": cs.base,
-        "changes": [[p, None if e is None else e.to_list()] for p, e in cs.changes.items()],
+        # Paths travel as bytes: a name may hold any byte but / and NUL (not UTF-8).
+        "changes": [[p.encode("utf-8", "surrogateescape"), None if e is None else e.to_list()]
+                    for p, e in cs.changes.items()],
         "message": cs.message, "meta": cs.meta, "lease": cs.lease,
         "identical": cs.identical,
     } for cs in changesets]
@@ -213,6 +215,8 @@ def _decode_changesets(raw: Any) -> list[ChangeSet]:
             changes: dict[str, Entry | None] = {}
             for item in cs["changes"]:
                 path, e = item
+                if isinstance(path, bytes):
+                    path = path.decode("utf-8", "surrogateescape")
                 if not isinstance(path, str):
                     raise TypeError("path is not a string")
                 if path in changes:

@@ -7,12 +7,15 @@ and optionally on a TCP port of loopback. Nothing is mocked.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from strata.server.client import RemoteStore, default_socket, is_serving
@@ -91,6 +94,22 @@ class Server:
                 self.proc.kill()
             self.proc.wait()
             self.proc = None
+
+
+@contextmanager
+def served_volume(store_dir: Path, volume: str = "v", *flags: str
+                  ) -> Iterator[tuple[Server, str]]:
+    """A new store with one volume, served over unix and TCP, and a token for it (--rw)."""
+    from strata.engine.local import init_store
+    init_store(str(store_dir))
+    server = Server(store_dir, tcp_port=free_port()).start()
+    try:
+        assert cli("volume", "create", volume, store=store_dir).returncode == 0
+        p = cli("token", "create", volume, *(flags or ("--rw",)), "--json", store=store_dir)
+        assert p.returncode == 0, p.stderr
+        yield server, str(json.loads(p.stdout)["token"])
+    finally:
+        server.stop()
 
 
 def cli(*args: str, server: str | None = None, token: str | None = None,

@@ -12,7 +12,6 @@ restored only with --privileged.
 from __future__ import annotations
 
 import http.client
-import json
 import os
 import stat
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serverutil import Server, cli, free_port  # noqa: E402
+from serverutil import served_volume  # noqa: E402
 from strata.engine.errors import InvalidInput  # noqa: E402
 from strata.engine.interface import ChangeSet  # noqa: E402
 from strata.engine.local import LocalStore, init_store  # noqa: E402
@@ -63,14 +62,9 @@ def upload(port: int, token: str, raw: bytes) -> tuple[int, str]:
 
 
 def test_malformed_tree_nodes_are_refused_over_tcp(tmp_path: Path) -> None:
-    from strata.engine.objects import Entry as E  # noqa: F401 - the layout entry_list mirrors
-    store = tmp_path / "s"
-    init_store(str(store))
-    port = free_port()
-    server = Server(store, tcp_port=port).start()
-    try:
-        assert cli("volume", "create", "v", store=store).returncode == 0
-        tok = json.loads(cli("token", "create", "v", "--rw", "--json", store=store).stdout)
+    with served_volume(tmp_path / "s") as (server, tok):
+        port = server.tcp_port
+        assert port is not None
         hostile = {
             "dot-dot name": tree((b"..", entry_list())),
             "dot name": tree((b".", entry_list())),
@@ -90,12 +84,10 @@ def test_malformed_tree_nodes_are_refused_over_tcp(tmp_path: Path) -> None:
             "NUL in a symlink target": tree((b"l", entry_list(K_SYMLINK, data=b"/a\0b"))),
         }
         for what, raw in hostile.items():
-            status, body = upload(port, tok["token"], raw)
+            status, body = upload(port, tok, raw)
             assert status == 400, (what, status, body)
         ok = tree((b"a", entry_list()), (b"b\xff\xfe", entry_list()))  # any bytes but / NUL
-        assert upload(port, tok["token"], ok)[0] == 200
-    finally:
-        server.stop()
+        assert upload(port, tok, ok)[0] == 200
 
 
 def _hostile_store(tmp: Path, entries: list[tuple[bytes, Entry]]) -> tuple[LocalStore, str]:

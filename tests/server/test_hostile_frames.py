@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serverutil import Server, cli, free_port  # noqa: E402
+from serverutil import Server, cli, free_port, served_volume  # noqa: E402
 from strata.engine import pack as packfmt  # noqa: E402
 from strata.engine.local import MAX_OBJECT, init_store  # noqa: E402
 from strata.engine.objects import BLOCK, object_id, packb  # noqa: E402
@@ -68,17 +68,14 @@ def flip(path: Path, offset: int) -> None:
 
 def test_uploaded_bytes_never_become_records(tmp_path: Path) -> None:
     store = tmp_path / "s"
-    init_store(str(store))
-    port = free_port()
-    server = Server(store, tcp_port=port).start()
-    try:
-        assert cli("volume", "create", "v", store=store).returncode == 0
-        tok = json.loads(cli("token", "create", "v", "--rw", "--json", store=store).stdout)
+    with served_volume(store) as (server, tok):
+        port = server.tcp_port
+        assert port is not None
         block = hostile_block()
-        assert raw_upload(port, tok["token"], [(BLOCK, block)]) == 200
+        assert raw_upload(port, tok, [(BLOCK, block)]) == 200
         # An object over the payload limit is refused when written, not found on a scan.
-        assert raw_upload(port, tok["token"], [(BLOCK, bytes(MAX_OBJECT + 1))]) in (400, 413)
-        p = cli("put", "v", "f", server=server.tcp_url, token=tok["token"], input=b"after")
+        assert raw_upload(port, tok, [(BLOCK, bytes(MAX_OBJECT + 1))]) in (400, 413)
+        p = cli("put", "v", "f", server=server.tcp_url, token=tok, input=b"after")
         assert p.returncode == 0, p.stderr
         # Damage the hostile record itself, in the random bytes before the forged
         # frames: a scan resynchronises from there, and must not land inside it.
@@ -92,9 +89,8 @@ def test_uploaded_bytes_never_become_records(tmp_path: Path) -> None:
         assert any(d["offset"] == hostile.offset for d in report["damaged"]), report
         assert pack.stat().st_size == size_before  # the active pack is never cut
         assert "pwned" not in cli("volume", "list", store=store).stdout.decode()
-    finally:
         server.kill()  # a crash: recovery scans the damaged pack again on open
-    server = Server(store, tcp_port=port).start()
+    server = Server(store, tcp_port=free_port()).start()
     try:
         assert cli("volume", "list", store=store).stdout.decode().split() == ["v"]
         assert cli("cat", "v", "f", store=store).stdout == b"after"

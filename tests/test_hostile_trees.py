@@ -82,6 +82,8 @@ def test_malformed_tree_nodes_are_refused_over_tcp(tmp_path: Path) -> None:
             "negative rdev": tree((b"a", entry_list(rdev=-5))),
             "symlink with a reference": tree((b"l", entry_list(K_SYMLINK, ref=b"r" * 32))),
             "NUL in a symlink target": tree((b"l", entry_list(K_SYMLINK, data=b"/a\0b"))),
+            "a subtree the store lacks": tree((b"d", entry_list(K_DIR, size=0, data=None,
+                                                                ref=b"\x01" * 32))),
         }
         for what, raw in hostile.items():
             status, body = upload(port, tok, raw)
@@ -153,3 +155,22 @@ def test_setid_bits_and_devices_need_privileged(tmp_path: Path) -> None:
             assert stat.S_ISCHR((priv / "null").lstat().st_mode)
     finally:
         s.close()
+
+
+def test_references_to_objects_the_store_lacks_are_refused(tmp_path: Path) -> None:
+    """No branch may come to reach a hole: tree nodes and file nodes name what exists."""
+    from strata.engine.objects import BLOCK, FILENODE, FileNode
+    init_store(str(tmp_path / "s"))
+    with LocalStore(str(tmp_path / "s")) as s:
+        s.create_volume("v")
+        ghost = object_id(BLOCK, b"never uploaded")
+        with pytest.raises(InvalidInput, match="lacks"):  # as the server checks each batch
+            s.check_tree_refs([(TREE, tree((b"d", entry_list(K_DIR, size=0, data=None,
+                                                              ref=ghost))))])
+        node = FileNode(size=10, block_size=65536, blocks=(ghost,)).encode()
+        s.put_objects([(FILENODE, node)])  # blocks may come in a later batch ...
+        f = Entry(kind=K_FILE, size=10, ref=object_id(FILENODE, node))
+        with pytest.raises(InvalidInput, match="lacks"):  # ... but a publish needs them
+            s.publish([ChangeSet("v", "live", s.head("v", "live"), {"f": f})])
+        s.put_objects([(BLOCK, b"never uploaded")])
+        assert s.publish([ChangeSet("v", "live", s.head("v", "live"), {"f": f})])

@@ -55,8 +55,11 @@ from strata.engine.objects import (
     SNAPSHOT,
     TREE,
     TXID_LEN,
+    ZERO_ID,
     Entry,
+    FileNode,
     Snapshot,
+    TreeNode,
     object_id,
     packb,
     unpackb,
@@ -932,7 +935,8 @@ class LocalStore(Store):
         if len(set(keys)) != len(keys):
             raise InvalidInput("a branch appears twice in one publish")
         _ids, given = self._frame_objects(objects)
-        self._check_refs_exist(changesets, {oid: kind for oid, kind, _f in given})
+        self._check_refs_exist(changesets, {oid: kind for oid, kind, _f in given},
+                               {object_id(k, raw): raw for k, raw in objects if k == FILENODE})
         locks = [self._branch_lock(v, b) for v, b in sorted(keys)]
         with self._cond:
             self._inflight += 1
@@ -1033,8 +1037,35 @@ class LocalStore(Store):
             if self._inflight == 0:
                 self._cond.notify_all()
 
-    def _check_refs_exist(self, changesets: Sequence[ChangeSet],
-                          given: dict[bytes, int]) -> None:
+    def check_tree_refs(self, objects: Sequence[tuple[int, bytes]]) -> None:
+        """Tree nodes a client sends may refer only to objects that exist (or come along).
+
+        Clients never need to send tree nodes (the store builds them when it
+        applies a change set); one that does must not make a branch reach a
+        hole. The server calls this on every batch a client sends; in-process
+        callers (tests building trees by hand) are trusted. Blocks and file
+        nodes may arrive in any order across batches, so their references are
+        checked when a publish names them.
+        """
+        trees = [raw for kind, raw in objects if kind == TREE]
+        if not trees:
+            return
+        batch = {object_id(k, raw) for k, raw in objects}
+        wanted: set[bytes] = set()
+        for raw in trees:
+            try:
+                node = TreeNode.decode(raw)
+            except (ValueError, TypeError, KeyError, IndexError) as exc:
+                raise InvalidInput(f"a tree node does not decode: {exc}") from None
+            wanted.update(c[1] for c in node.children)
+            wanted.update(e.ref for _n, e in node.entries if e.ref is not None)
+        lacking = [oid for oid in wanted - batch if not self._has(oid)]
+        if lacking:
+            raise InvalidInput(f"a tree node refers to {len(lacking)} object(s) the store "
+                               f"lacks, e.g. {lacking[0].hex()}")
+
+    def _check_refs_exist(self, changesets: Sequence[ChangeSet], given: dict[bytes, int],
+                          nodes: dict[bytes, bytes] | None = None) -> None:
         want: dict[bytes, int] = {}
         for cs in changesets:
             if not isinstance(cs.changes, dict):
@@ -1057,6 +1088,12 @@ class LocalStore(Store):
             if have != kind:
                 raise InvalidInput(f"object {oid.hex()} is a {KIND_NAMES.get(have)}, "
                                    f"not a {KIND_NAMES[kind]}")
+            if kind == FILENODE:  # and every block the file node names
+                raw = (nodes or {}).get(oid) or self.get_object(oid)
+                for b in set(FileNode.decode(raw).blocks):
+                    if b != ZERO_ID and b not in given and not self._has(b):
+                        raise InvalidInput(f"file node {oid.hex()} names block {b.hex()} "
+                                           "the store lacks")
 
     # -- maintenance ---------------------------------------------------------------------
 

@@ -276,7 +276,13 @@ async def put_objects(request: web.Request) -> web.Response:
     state = request.app[STATE]
     _scope(request).check_write()
     objs = wire.decode_objects(await _body(request))
-    ids = await state.run(state.need_store().put_objects, objs)
+    store = state.need_store()
+
+    def put() -> list[bytes]:
+        store.check_tree_refs(objs)
+        return store.put_objects(objs)
+
+    ids = await state.run(put)
     return web.json_response({"stored": len(ids)})
 
 
@@ -477,6 +483,7 @@ async def publish(request: web.Request) -> web.Response:
     store = state.need_store()
 
     def run() -> dict[str, Any]:
+        store.check_tree_refs(objects)
         heads, nodes = store.publish_detailed(changesets, objects, txid=txid)
         return {"heads": heads, "prefetch": _prefetch(store, heads, nodes)}
 

@@ -29,6 +29,7 @@ from run_harness import StepEnv, finish, wait_for
 
 from strata.engine.errors import NotFound
 from strata.engine.txn import Transaction
+from strata.mount.session import SWEEP_AFTER
 
 # -- the checker catches what it claims to ------------------------------------------
 
@@ -326,7 +327,9 @@ def run_history(senv: StepEnv, tmp: Path, steps: int, seed: int, *, workers: int
         reap()
         time.sleep(0.02)
     # A runner killed between its mount's teardown and removing its scratch leaves that
-    # to the next step on the machine: run one, then nothing may be left.
+    # to the next step on the machine, once it has lain untouched for a few seconds:
+    # run one then, and nothing may be left.
+    time.sleep(SWEEP_AFTER + 0.5)
     assert senv.step(["a"], ["true"]).rc == 0
     final = _final_state(senv, branches)
     final.counter_start = counter_start

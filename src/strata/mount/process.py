@@ -126,7 +126,10 @@ def _watch(pid: int, state: MountState) -> None:
         if _zombie(pid):
             break  # dead, only not reaped yet by its parent
         if not os.path.isdir(state.scratch):
-            return  # torn down by its owner
+            # Torn down by its owner, or swept: nothing of ours may stay mounted.
+            with contextlib.suppress(Exception):
+                teardown(state, lazy=True)
+            return
     # Our owner died without tearing us down: stop the processes it said use the
     # mount (state.json "pgid", a process group), then discard everything.
     _discarding.set()

@@ -377,6 +377,9 @@ def teardown(state: MountState, *, lazy: bool = False) -> None:
     shutil.rmtree(state.scratch, ignore_errors=True)
 
 
+SWEEP_AFTER = 5.0  # seconds a step scratch must have been left alone before a sweep
+
+
 def sweep_abandoned_steps(root: str | None = None) -> list[str]:
     """Remove step scratch directories whose runner and mount process are both gone.
 
@@ -384,7 +387,8 @@ def sweep_abandoned_steps(root: str | None = None) -> list[str]:
     before that process started leaves its scratch directory with nobody to
     remove it. Only step scratch (state with a run id) is swept, and only when
     neither process is alive and nothing is mounted beneath it. Returns what
-    was removed.
+    was removed. A scratch whose state changed in the last SWEEP_AFTER
+    seconds is left alone: its mount process may be starting.
     """
     root = root or scratch_root()
     removed = []
@@ -398,6 +402,8 @@ def sweep_abandoned_steps(root: str | None = None) -> list[str]:
         scratch = os.path.join(root, mid)
         try:
             st = MountState.load(scratch)
+            if time.time() - os.stat(os.path.join(scratch, "state.json")).st_mtime < SWEEP_AFTER:
+                continue
         except (OSError, ValueError, KeyError, TypeError):
             continue
         runner = st.extra.get("runner")

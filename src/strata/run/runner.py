@@ -156,6 +156,10 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         error = start(st, background=True, watch_pid=os.getpid())
         if error is not None:
             raise StrataError(f"could not mount the step's volumes: {error}")
+        # The mount process recorded its pid; keep it when this runner saves the state
+        # again (a sweep must see that someone still owns this scratch).
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            st.pid = type(st).load(st.scratch).pid
         cmd, env = build_command(sandbox, argv, storage, network=network,
                                  workdir=state.scratch, run_id=run_id, memory=memory)
         result.timings["start"] = time.monotonic() - t0

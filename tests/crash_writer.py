@@ -34,8 +34,12 @@ def path_of(thread: int, run: int, n: int) -> str:
     return f"t{thread}/r{run}/{n}"
 
 
+BIG = 5_000_000  # over the 4 MiB a publish carries: uploaded ahead with put_objects
+
+
 def content_of(path: str) -> bytes:
-    n = SIZES[blake3.blake3(path.encode()).digest()[0] % len(SIZES)]
+    n = BIG if path.endswith(".big") else (
+        SIZES[blake3.blake3(path.encode()).digest()[0] % len(SIZES)])
     return blake3.blake3(path.encode()).digest(length=n)
 
 
@@ -43,6 +47,9 @@ def main() -> None:
     store_dir, run, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if os.environ.get("STRATA_TEST_NO_FSYNC") == "1":
         os.fsync = os.fdatasync = lambda fd: None
+    # Every Nth file is 5 MB, so its blocks are uploaded ahead of the publish
+    # (put_objects, not yet durable) and the publish that names them must make them so.
+    big_every = int(os.environ.get("STRATA_TEST_BIG_EVERY", "0"))
     # Small packs and a short age limit: seals and new packs happen between kills.
     store = LocalStore(store_dir, StoreConfig(pack_size_limit=512 * 1024, pack_age_limit=0.2,
                                               lock_timeout=10))
@@ -52,13 +59,15 @@ def main() -> None:
         try:
             for n in range(1_000_000):
                 path = path_of(thread, run, n)
+                if big_every and n % big_every == big_every - 1:
+                    path += ".big"
                 t = Transaction(store, "v")
                 if n == 0:
                     t.mkdir(path.rpartition("/")[0])
                 t.write(path, content_of(path), mtime_ns=0)
                 sid = t.commit(f"{path}")
                 with out:
-                    sys.stdout.write(f"ack {thread} {run} {n} {sid}\n")
+                    sys.stdout.write(f"ack {thread} {run} {n} {sid} {path}\n")
                     sys.stdout.flush()
                 time.sleep(0.002)  # fewer, not slower, publishes: keeps the store small
         except BaseException as exc:  # noqa: BLE001 - any failure ends the process loudly

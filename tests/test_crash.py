@@ -91,9 +91,10 @@ def test_acknowledged_publishes_survive_sigkill(tmp_path: Path) -> None:
         lines = out.read_bytes().split(b"\n")[:-1]
         fresh: dict[str, str] = {}
         for line in lines:
-            tag, thread, run, n, sid = line.decode().split()
+            tag, thread, run, n, sid, path = line.decode().split()
             assert tag == "ack" and int(run) == kills - 1
-            fresh[path_of(int(thread), int(run), int(n))] = sid
+            assert path == path_of(int(thread), int(run), int(n))
+            fresh[path] = sid
         runs_with_acks += bool(fresh)
         acked.update(fresh)
 

@@ -71,6 +71,16 @@ class Unavailable(StrataError):
         super().__init__(message)
 
 
+class Locked(Unavailable):
+    """The branch is leased by another holder: retry when the lease ends (HTTP 423).
+
+    Not a 503: the server is fine, the branch is taken. A subclass of
+    Unavailable, so callers that wait and retry keep doing so.
+    """
+
+    http_status = 423
+
+
 class Forbidden(StrataError):
     """The caller may not do this (read-only, wrong scope)."""
 

@@ -34,6 +34,7 @@ from strata.engine.errors import (
     Corrupt,
     Forbidden,
     InvalidInput,
+    Locked,
     NotFound,
     StoreFailed,
     StrataError,
@@ -821,7 +822,7 @@ class LocalStore(Store):
             cur = self._leases.get((volume, branch))
             if cur is not None and cur.expires_ns > now:
                 wait = (cur.expires_ns - now) / 1e9
-                raise Unavailable(f"{volume}@{branch} is leased (fencing token {cur.fencing}) "
+                raise Locked(f"{volume}@{branch} is leased (fencing token {cur.fencing}) "
                                   f"for {wait:.1f}s more", retry_after=min(wait, 5.0))
             fencing = (cur.fencing if cur else 0) + 1
             secret = os.urandom(16)
@@ -963,7 +964,7 @@ class LocalStore(Store):
                     held = self.lease_of(cs.volume, cs.branch)
                     if held is not None:
                         wait = (held.expires_ns - time.time_ns()) / 1e9
-                        raise Unavailable(f"{cs.volume}@{cs.branch} is leased (fencing token "
+                        raise Locked(f"{cs.volume}@{cs.branch} is leased (fencing token "
                                           f"{held.fencing}); retry when it is released",
                                           retry_after=min(max(wait, 0.1), 5.0))
                 base_root = self.snapshot(cs.base).root

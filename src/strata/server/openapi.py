@@ -14,7 +14,8 @@ ERROR = {"$ref": "#/components/schemas/Error"}
 def _err(*codes: int) -> dict[str, Any]:
     text = {400: "invalid input", 401: "missing or invalid token", 403: "not allowed",
             404: "not found", 409: "conflict or already exists", 413: "body too large",
-            416: "range not satisfiable", 503: "store changing owner or busy: retry"}
+            416: "range not satisfiable", 423: "branch leased by another holder: retry later",
+            503: "store changing owner or busy: retry"}
     return {str(c): {"description": text[c], "content": {"application/json": {"schema": ERROR}}}
             for c in codes}
 
@@ -156,7 +157,7 @@ OPENAPI: dict[str, Any] = {
             "responses": {**_ok({"oneOf": [{"$ref": "#/components/schemas/Lease"},
                                            _obj({"released": {"type": "boolean"}},
                                                 ["released"])]}),
-                          **_err(*COMMON)}}},
+                          **_err(*COMMON, 423)}}},
         "/v1/snapshots/{prefix}": {"get": {
             "summary": "the full id of the one snapshot with this prefix",
             "parameters": [{"name": "prefix", "in": "path", "required": True,
@@ -173,7 +174,7 @@ OPENAPI: dict[str, Any] = {
                                "objects: object batch or nil, txid: 16 bytes or nil}"},
             "responses": {**_ok(_obj({"heads": {"type": "array", "items": HEX64}},
                                      ["heads"])),
-                          **_err(400, 401, 403, 404, 409, 413, 503)}}},
+                          **_err(400, 401, 403, 404, 409, 413, 423, 503)}}},
         "/v1/admin/tokens": {
             "post": {"summary": "create a token (owner only)",
                      "requestBody": _json_body(_obj({

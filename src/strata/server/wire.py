@@ -258,7 +258,8 @@ def _entry(v: Any) -> Entry:
 ERROR_CLASSES: dict[str, type[StrataError]] = {
     cls.__name__: cls for cls in (
         errors.InvalidInput, errors.NotFound, errors.AlreadyExists, errors.Conflict,
-        errors.Corrupt, errors.Unavailable, errors.Forbidden, errors.Unauthenticated,
+        errors.Corrupt, errors.Unavailable, errors.Locked, errors.Forbidden,
+        errors.Unauthenticated,
         errors.StoreFailed,
         errors.StrataError)
 }
@@ -279,6 +280,8 @@ def raise_error(status: int, body: dict[str, Any]) -> None:
         raise errors.Conflict(list(body.get("paths") or []), message)
     if name == "Corrupt":
         raise errors.StrataError(message)
+    if name == "Locked" or status == 423:
+        raise errors.Locked(message)
     if name == "Unavailable" or status == 503:
         raise errors.Unavailable(message)
     cls = ERROR_CLASSES.get(name)

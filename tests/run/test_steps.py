@@ -158,11 +158,15 @@ def test_eight_concurrent_disjoint_steps_all_land(senv: StepEnv) -> None:
     senv.wait_clean()
 
 
+# Reads the counter, waits (0.2 s, or until the wall-clock instant given as argv[1]),
+# writes n + 1. With an instant shared by every step of a round, concurrent steps
+# that read the same n write equal bytes in one kernel clock tick (equal mtimes): the
+# case an "equal results do not conflict" rule loses.
 COUNTER = (
-    "import os, time\n"
+    "import os, sys, time\n"
     "p = os.path.join(os.environ['STRATA_STORAGE'], 'v', 'counter')\n"
     "n = int(open(p).read())\n"
-    "time.sleep(0.2)\n"
+    "time.sleep(max(0.0, float(sys.argv[1]) - time.time()) if sys.argv[1:] else 0.2)\n"
     "open(p, 'w').write(str(n + 1))\n"
 )
 
@@ -204,25 +208,13 @@ def test_concurrent_counter_never_loses_an_update(senv: StepEnv) -> None:
     senv.wait_clean()
 
 
-# Reads the counter, then writes n + 1 at one wall-clock instant shared by every step of
-# the round, so concurrent steps that read the same n write equal bytes in one kernel
-# clock tick (equal mtimes): the case an "equal results do not conflict" rule loses.
-SYNCED_COUNTER = (
-    "import os, sys, time\n"
-    "p = os.path.join(os.environ['STRATA_STORAGE'], 'v', 'counter')\n"
-    "n = int(open(p).read())\n"
-    "time.sleep(max(0.0, float(sys.argv[1]) - time.time()))\n"
-    "open(p, 'w').write(str(n + 1))\n"
-)
-
-
 def test_counter_race_with_equal_results_loses_no_update(senv: StepEnv) -> None:
     """Concurrent increments write equal bytes at one instant: counter == steps that exited 0."""
     senv.run("put", "v", "counter", input="0")
     ok = 0
     for _round in range(3):
         at = time.time() + 2.5  # after every step of the round has read the counter
-        procs = [senv.start_step(["v"], ["python3", "-c", SYNCED_COUNTER, str(at)])
+        procs = [senv.start_step(["v"], ["python3", "-c", COUNTER, str(at)])
                  for _ in range(4)]
         results = [finish(p) for p in procs]
         assert all(r.rc in (0, 3) for r in results), results

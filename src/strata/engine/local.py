@@ -135,16 +135,6 @@ def read_store_meta(path: str) -> dict[str, Any]:
     return dict(json.loads(body))
 
 
-def _header_incomplete(path: str) -> bool:
-    """True if a pack is too short to hold its own header (created, then a crash)."""
-    with open(path, "rb") as f:
-        head = f.read(packfmt.HEADER_SIZE)
-    if len(head) < packfmt.HEADER_V1_SIZE:
-        return True
-    version = int.from_bytes(head[8:10], "little")
-    return head[:8] == packfmt.PACK_MAGIC and version >= 2 and len(head) < packfmt.HEADER_SIZE
-
-
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -300,7 +290,7 @@ class LocalStore(Store):
             path = self._pack_path(number)
             name = packfmt.pack_name(number)
             size = os.path.getsize(path)
-            if repair and number == numbers[-1] and _header_incomplete(path):
+            if repair and number == numbers[-1] and packfmt.header_incomplete(path):
                 # Created, then a crash before its header was written: it holds nothing.
                 self.recovery["truncated"].append({"pack": name, "offset": 0, "bytes": size})
                 os.remove(path)
@@ -718,15 +708,7 @@ class LocalStore(Store):
         return {br: sid for (v, br), sid in sorted(self._refs.items()) if v == volume}
 
     def head(self, volume: str, branch: str) -> str:
-        self._check_open()
-        check_volume(volume)
-        check_branch(branch)
-        sid = self._refs.get((volume, branch))
-        if sid is None:
-            if volume not in self._vols:
-                raise NotFound(f"no volume {volume!r}")
-            raise NotFound(f"no branch {branch!r} in volume {volume!r}")
-        return sid
+        return self.heads([(volume, branch)])[0]
 
     def volume_id(self, volume: str) -> str:
         """The id drawn when `volume` was created; a volume made again gets a new one."""

@@ -227,6 +227,16 @@ def read_header(data: bytes, pack: str) -> PackInfo:
     return PackInfo(int(number), version, bytes(sync), HEADER_SIZE)
 
 
+def header_incomplete(path: str) -> bool:
+    """True if a pack is too short to hold its own header (created, then a crash)."""
+    with open(path, "rb") as f:
+        head = f.read(HEADER_SIZE)
+    if len(head) < HEADER_V1_SIZE:
+        return True
+    version = int.from_bytes(head[8:10], "little")
+    return head[:8] == PACK_MAGIC and version >= 2 and len(head) < HEADER_SIZE
+
+
 def read_info(path: str) -> PackInfo:
     with open(path, "rb") as f:
         return read_header(f.read(HEADER_SIZE), os.path.basename(path))

@@ -113,14 +113,19 @@ def run_rounds(tmp: Path, rounds: int, seed: int, *, fsync: bool = True) -> list
         acked_total += len(acked)
         try:
             s = LocalStore(str(backing / "store"))
-        except StrataError as exc:
-            lost.append(f"round {run}: the store does not open: {exc}")
+        except (StrataError, OSError) as exc:
+            lost.append(f"round {run}: the store does not open: {exc!r}")
             break
         with s:
-            head = Transaction(s, "v")
+            try:
+                head: Transaction | None = Transaction(s, "v")
+            except Exception as exc:  # noqa: BLE001 - the head's snapshot or pack is gone
+                lost.append(f"round {run}: the head does not read: {exc!r}")
+                head = None
             for path, sid in sorted(acked.items()):
                 try:
-                    ok = (Transaction(s, "v", base=sid).read(path) == content_of(path)
+                    ok = (head is not None
+                          and Transaction(s, "v", base=sid).read(path) == content_of(path)
                           and head.read(path) == content_of(path))
                 except Exception:  # noqa: BLE001 - missing snapshot, object or path
                     ok = False

@@ -69,8 +69,8 @@ def test_memory_stays_bounded_under_large_requests(tmp_path: Path) -> None:
         rw = json.loads(cli("token", "create", "v", "--rw", "--json", store=store).stdout)
         big = os.urandom(16 * MIB)
         oid = object_id(BLOCK, big)
-        with RemoteStore(server.unix_url) as owner:
-            owner.put_objects([(BLOCK, big)])
+        with RemoteStore(server.tcp_url, rw["token"]) as writer:  # in the volume's reach
+            writer.put_objects([(BLOCK, big)])
         time.sleep(0.2)
 
         # A read-only token's huge publish: refused before its body is read.

@@ -14,16 +14,33 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from strata.engine.errors import Forbidden, NotFound, Unauthenticated, Unavailable
+from strata.engine.errors import (
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    Unauthenticated,
+    Unavailable,
+)
 from strata.engine.interface import ChangeSet
 from strata.engine.local import init_store
-from strata.engine.objects import K_FILE, Entry
+from strata.engine.objects import (
+    FILENODE,
+    K_DIR,
+    K_FILE,
+    TREE,
+    Entry,
+    FileNode,
+    TreeNode,
+    object_id,
+)
+from strata.engine.txn import Transaction
+from strata.server import wire
 from strata.server.client import RemoteStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -369,3 +386,119 @@ def test_another_volumes_snapshot_is_answered_as_if_it_did_not_exist(env: Env) -
     # The token's own history still resolves, by prefix too.
     status, body = env.http("GET", f"/v1/snapshots/{a_head[:12]}", tok)
     assert (status, body) == (200, {"id": a_head})
+
+
+# -- objects: an id learned elsewhere is not a capability ----------------------------------------
+
+def _raw(env: Env, method: str, path: str, token: str, body: bytes = b"") -> tuple[int, bytes]:
+    assert env.server.tcp_port is not None
+    conn = http.client.HTTPConnection("127.0.0.1", env.server.tcp_port, timeout=30)
+    try:
+        conn.request(method, path, body=body or None,
+                     headers={"Authorization": f"Bearer {token}",
+                              "Content-Type": "application/octet-stream"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def _ids_of_big_file(env: Env, volume: str, path: str) -> tuple[bytes, bytes, bytes]:
+    """(root tree, file node, first block) of a file, read with the owner's rights."""
+    snap = env.owner.snapshot(env.owner.head(volume, "live"))
+    entry = Transaction(env.owner, volume).lookup(path)
+    assert entry is not None and entry.ref is not None and snap.root.ref is not None
+    node = FileNode.decode(env.owner.get_object(entry.ref))
+    return snap.root.ref, entry.ref, node.blocks[0]
+
+
+def test_an_object_of_another_volume_reads_exactly_as_a_missing_one(env: Env) -> None:
+    big = os.urandom(300_000)
+    assert cli("put", "b", "big.bin", input=big, store=env.store).returncode == 0
+    tok = env.token("a", "--ro")["token"]
+    nowhere = os.urandom(32)
+
+    def answers(oid: bytes) -> list[tuple[int, bytes]]:
+        out = [_raw(env, "GET", f"/v1/objects/{oid.hex()}", tok),
+               _raw(env, "POST", "/v1/objects/get", tok, wire.encode_ids([oid])),
+               _raw(env, "POST", "/v1/objects/missing", tok, wire.encode_ids([oid]))]
+        return [(st, body.replace(oid.hex().encode(), b"ID").replace(oid, b"ID"))
+                for st, body in out]
+
+    expected = answers(nowhere)
+    assert [st for st, _b in expected] == [404, 404, 200]
+    for oid in _ids_of_big_file(env, "b", "big.bin"):
+        assert env.owner.get_object(oid)  # it exists
+        assert answers(oid) == expected
+    # The token's own volume reads as before, over the same requests.
+    assert cli("put", "a", "big.bin", input=big[:200_000], store=env.store).returncode == 0
+    for oid in _ids_of_big_file(env, "a", "big.bin"):
+        status, body = _raw(env, "GET", f"/v1/objects/{oid.hex()}", tok)
+        assert status == 200 and body == env.owner.get_object(oid)
+        assert _raw(env, "POST", "/v1/objects/missing", tok, wire.encode_ids([oid])) == (200, b"")
+    assert env.server.tcp_url is not None
+    p = cli("cat", "a", "big.bin", server=env.server.tcp_url, token=tok)
+    assert (p.returncode, p.stdout) == (0, big[:200_000]), p.stderr
+
+
+def test_naming_another_volumes_object_in_a_publish_makes_it_no_more_readable(
+        env: Env) -> None:
+    """A writer of a cannot claim b's objects by putting their ids in its own tree."""
+    big = os.urandom(300_000)
+    assert cli("put", "b", "claim.bin", input=big, store=env.store).returncode == 0
+    _root, b_node, b_block = _ids_of_big_file(env, "b", "claim.bin")
+    tok = env.token("a", "--rw")["token"]
+    before = env.state()
+
+    def refusal(publish: Callable[[RemoteStore, bytes], object], oid: bytes) -> str:
+        with tcp_store(env, tok) as remote, pytest.raises(InvalidInput) as err:
+            publish(remote, oid)
+        return str(err.value).replace(oid.hex(), "ID")
+
+    def by_entry(remote: RemoteStore, oid: bytes) -> object:
+        return remote.publish([ChangeSet("a", "live", remote.head("a", "live"), {
+            "stolen": Entry(kind=K_FILE, size=len(big), ref=oid)})])
+
+    def by_file_node(remote: RemoteStore, oid: bytes) -> object:
+        node = FileNode(size=65536, block_size=65536, blocks=(oid,)).encode()
+        return remote.publish([ChangeSet("a", "live", remote.head("a", "live"), {
+            "stolen": Entry(kind=K_FILE, size=65536, ref=object_id(FILENODE, node))})],
+            [(FILENODE, node)])
+
+    def by_tree_node(remote: RemoteStore, oid: bytes) -> object:
+        tree = TreeNode(0, entries=((b"f", Entry(kind=K_FILE, size=len(big), ref=oid)),))
+        raw = tree.encode()
+        return remote.publish([ChangeSet("a", "live", remote.head("a", "live"), {
+            "d": Entry(kind=K_DIR, mode=0o755, ref=object_id(TREE, raw))})], [(TREE, raw)])
+
+    for publish, oid in ((by_entry, b_node), (by_file_node, b_block), (by_tree_node, b_node)):
+        assert refusal(publish, oid) == refusal(publish, os.urandom(32)), publish.__name__
+    assert env.state() == before
+    # A file node uploaded ahead that names b's block: the upload is the writer's own
+    # bytes, but the block it names stays out of reach.
+    node = FileNode(size=65536, block_size=65536, blocks=(b_block,)).encode()
+    status, _body = _raw(env, "POST", "/v1/objects", tok, wire.encode_objects([(FILENODE, node)]))
+    assert status == 200
+    with tcp_store(env, tok) as remote:
+        with pytest.raises(InvalidInput, match="the store lacks"):
+            remote.publish([ChangeSet("a", "live", remote.head("a", "live"), {
+                "stolen": Entry(kind=K_FILE, size=65536, ref=object_id(FILENODE, node))})])
+        with pytest.raises(NotFound):
+            remote.get_object(b_block)
+    assert env.state() == before
+
+
+def test_a_snapshot_the_owner_brings_into_a_volume_becomes_readable_to_it(env: Env) -> None:
+    """Reach follows history: an owner's fork of b's snapshot into a opens its objects to a."""
+    big = os.urandom(200_000)
+    assert cli("put", "b", "shared.bin", input=big, store=env.store).returncode == 0
+    ids = _ids_of_big_file(env, "b", "shared.bin")
+    tok = env.token("a", "--ro")["token"]
+    assert _raw(env, "GET", f"/v1/objects/{ids[2].hex()}", tok)[0] == 404
+    env.owner.fork("a", "from-b", at=env.owner.head("b", "live"))
+    try:
+        for oid in ids:
+            assert _raw(env, "GET", f"/v1/objects/{oid.hex()}", tok) == (
+                200, env.owner.get_object(oid))
+    finally:
+        env.owner.delete_branch("a", "from-b")

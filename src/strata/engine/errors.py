@@ -99,3 +99,8 @@ class StoreFailed(StrataError):
 
     exit_code = 1
     http_status = 500
+
+
+def no_object(oid: bytes) -> NotFound:
+    """The one answer for an object that does not exist, or is out of the caller's scope."""
+    return NotFound(f"object {oid.hex()} not found")

@@ -37,6 +37,7 @@ class Index:
         self.volumes = self.env.open_db(b"volumes")
         self.meta = self.env.open_db(b"meta")
         self.leases = self.env.open_db(b"leases")
+        self.reach = self.env.open_db(b"reach")  # derived from the rest: see engine/reach.py
         with self.env.begin(write=True) as txn:
             v = txn.get(b"version", db=self.meta)
             if v is None:

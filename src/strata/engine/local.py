@@ -39,6 +39,7 @@ from strata.engine.errors import (
     StoreFailed,
     StrataError,
     Unavailable,
+    no_object,
 )
 from strata.engine.index import Index
 from strata.engine.interface import ChangeSet, Lease, SnapshotInfo, Store
@@ -60,11 +61,12 @@ from strata.engine.objects import (
     Entry,
     FileNode,
     Snapshot,
-    TreeNode,
     object_id,
     packb,
+    references,
     unpackb,
 )
+from strata.engine.reach import Reach, volume_key
 from strata.engine.tree import NodeCache, Trees
 
 STORE_MAGIC = "strata-store"
@@ -262,6 +264,7 @@ class LocalStore(Store):
             start = None
             self.recovery["index_rebuilt"] = True
         self._replay(start)
+        self._reach = Reach(self.index)
         self._vols, self._refs = self.index.load_state()
         self._leases = {k: Lease(*v) for k, v in self.index.load_leases().items()}
         self._vol_ids = self.index.load_volume_ids()
@@ -677,7 +680,7 @@ class LocalStore(Store):
         self._check_open()
         loc = self._locate(oid)
         if loc is None:
-            raise NotFound(f"object {oid.hex()} not found")
+            raise no_object(oid)
         frame = self._read_frame(loc)
         name = packfmt.pack_name(loc[0])
         kind, stored_id, raw = packfmt.decode_object(frame, self._pack_info(loc[0]).sync,
@@ -685,6 +688,24 @@ class LocalStore(Store):
         if stored_id != oid:
             raise Corrupt(name, loc[1], f"index points at {stored_id.hex()}, not {oid.hex()}")
         return raw
+
+    def reachable(self, volume: str, oids: Sequence[bytes]) -> list[bool]:
+        """Whether each object is reachable from `volume`'s history or was given to it.
+
+        The object half of a token's scope (see engine/reach.py): a miss walks
+        only the snapshots the volume gained since the last miss.
+        """
+        key = volume_key(volume, self.volume_id(volume))
+        got = self._reach.marked(key, oids)
+        if not all(got):
+            self._reach.extend(key, self.list_branches(volume).values(),
+                               lambda sid: self.snapshot(sid).parent, self.get_object)
+            got = self._reach.marked(key, oids)
+        return got
+
+    def give(self, volume: str, oids: Sequence[bytes]) -> None:
+        """Make objects a writer of `volume` uploaded reachable for it (it has their bytes)."""
+        self._reach.give(volume_key(volume, self.volume_id(volume)), oids)
 
     def object_kind(self, oid: bytes) -> int | None:
         loc = self._locate(oid)
@@ -1030,22 +1051,63 @@ class LocalStore(Store):
         nodes may arrive in any order across batches, so their references are
         checked when a publish names them.
         """
-        trees = [raw for kind, raw in objects if kind == TREE]
-        if not trees:
-            return
         batch = {object_id(k, raw) for k, raw in objects}
         wanted: set[bytes] = set()
-        for raw in trees:
-            try:
-                node = TreeNode.decode(raw)
-            except (ValueError, TypeError, KeyError, IndexError) as exc:
-                raise InvalidInput(f"a tree node does not decode: {exc}") from None
-            wanted.update(c[1] for c in node.children)
-            wanted.update(e.ref for _n, e in node.entries if e.ref is not None)
+        for kind, raw in objects:
+            if kind == TREE:
+                try:
+                    wanted.update(oid for _k, oid in references(kind, raw))
+                except ValueError as exc:
+                    raise InvalidInput(f"a tree node does not decode: {exc}") from None
         lacking = [oid for oid in wanted - batch if not self._has(oid)]
         if lacking:
             raise InvalidInput(f"a tree node refers to {len(lacking)} object(s) the store "
                                f"lacks, e.g. {lacking[0].hex()}")
+
+    def check_refs_reachable(self, volume: str, changesets: Sequence[ChangeSet],
+                             objects: Sequence[tuple[int, bytes]], *,
+                             upload: bool = False) -> None:
+        """What a scoped writer of `volume` sends may refer only to what it can reach.
+
+        Otherwise an id learned elsewhere would become readable by naming it in
+        a tree or a change set, and whether the publish is accepted would tell
+        whether the object exists. Refused references get one answer whether
+        the object exists elsewhere or nowhere. Checked, besides whatever comes
+        along in `objects`: the references of the change sets' entries, of the
+        tree and file nodes sent, and the blocks of the file nodes the change
+        sets name. An `upload` ahead of a publish is checked for its tree nodes
+        only: blocks may come in a later batch than their file node, and the
+        publish that names the file node checks them.
+        """
+        given = {object_id(k, raw): (k, raw) for k, raw in objects}
+        want: dict[bytes, int] = {}
+        for cs in changesets:
+            if not isinstance(cs.changes, dict):
+                raise InvalidInput("changes must map paths to entries")
+            for e in cs.changes.values():
+                if isinstance(e, Entry) and e.ref is not None and isinstance(e.ref, bytes):
+                    want[e.ref] = FILENODE if e.kind == K_FILE else TREE
+        for kind, raw in given.values():
+            if kind == TREE or (kind == FILENODE and not upload):
+                try:
+                    want.update((oid, k) for k, oid in references(kind, raw))
+                except ValueError as exc:
+                    raise InvalidInput(f"an object does not decode: {exc}") from None
+        outside = sorted(oid for oid in want if oid not in given)
+        for oid, ok in zip(outside, self.reachable(volume, outside), strict=True):
+            if not ok:
+                raise InvalidInput(f"publish refers to object {oid.hex()} the store lacks")
+        named = sorted(oid for oid, k in want.items() if k == FILENODE and oid not in given)
+        blocks: set[bytes] = set()
+        for oid in named:
+            try:
+                blocks.update(b for _k, b in references(FILENODE, self.get_object(oid)))
+            except ValueError as exc:
+                raise InvalidInput(f"file node {oid.hex()} does not decode: {exc}") from None
+        outside = sorted(blocks - given.keys())
+        for oid, ok in zip(outside, self.reachable(volume, outside), strict=True):
+            if not ok:
+                raise InvalidInput(f"publish refers to object {oid.hex()} the store lacks")
 
     def _check_refs_exist(self, changesets: Sequence[ChangeSet], given: dict[bytes, int],
                           nodes: dict[bytes, bytes] | None = None) -> None:
@@ -1212,6 +1274,7 @@ class LocalStore(Store):
                 Index.destroy(self.index_dir)
                 os.rename(tmp, self.index_dir)
                 self.index = Index(self.index_dir)
+                self._reach = Reach(self.index)
             vols, refs = self.index.load_state()
         return {"volumes": len(vols), "branches": len(refs),
                 "objects": self.index.count_objects()}

@@ -275,3 +275,24 @@ def check_entry(e: Entry) -> None:
 _U32 = 2**32 - 1
 _U64 = 2**64 - 1
 _I63 = 2**63 - 1
+
+
+def references(kind: int, raw: bytes) -> list[tuple[int, bytes]]:
+    """The (kind, id) of every object this one refers to; ValueError if it does not decode."""
+    try:
+        if kind == TREE:
+            node = TreeNode.decode(raw)
+            out = [(TREE, c[1]) for c in node.children]
+            out.extend((TREE if e.kind == K_DIR else FILENODE, e.ref)
+                       for _n, e in node.entries
+                       if e.ref is not None and e.kind in (K_DIR, K_FILE))
+            return out
+        if kind == FILENODE:
+            return [(BLOCK, b) for b in dict.fromkeys(FileNode.decode(raw).blocks)
+                    if b != ZERO_ID]
+        if kind == SNAPSHOT:
+            root = Snapshot.decode(raw).root
+            return [(TREE, root.ref)] if root.ref is not None else []
+    except (TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise ValueError(f"malformed {KIND_NAMES.get(kind, 'object')}: {exc}") from None
+    return []

@@ -29,6 +29,7 @@ from strata.engine.errors import (
     StrataError,
     Unauthenticated,
     Unavailable,
+    no_object,
 )
 from strata.engine.local import LocalStore
 from strata.engine.names import check_branch, check_hex_id, check_volume
@@ -265,22 +266,57 @@ async def whoami(request: web.Request) -> web.Response:
                               "branch": scope.branch, "writable": scope.writable})
 
 
+def _out_of_reach(scope: Scope, store: LocalStore, ids: list[bytes]) -> bytes | None:
+    """For a scoped token, the first id its volume cannot reach (None: all reachable).
+
+    Objects that do not exist are never reachable, so an out-of-scope object
+    and a missing one get the same answer (engine/reach.py).
+    """
+    if scope.volume is None or not ids:
+        return None
+    for oid, ok in zip(ids, store.reachable(scope.volume, ids), strict=True):
+        if not ok:
+            return oid
+    return None
+
+
 async def missing(request: web.Request) -> web.Response:
+    """The ids the store lacks; for a scoped token, also those its volume cannot reach.
+
+    Such a client then uploads them, which proves it holds their bytes.
+    """
     state = request.app[STATE]
+    scope = _scope(request)
     ids = wire.decode_ids(await _body(request))
-    out = await state.run(state.need_store().missing, ids)
+    store = state.need_store()
+
+    def run() -> list[bytes]:
+        out = store.missing(ids)  # checks the ids
+        if scope.volume is None or not ids:
+            return out
+        return [oid for oid, ok in zip(ids, store.reachable(scope.volume, ids), strict=True)
+                if not ok]
+
+    out = await state.run(run)
     return web.Response(body=wire.encode_ids(out), content_type="application/octet-stream")
 
 
 async def put_objects(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    _scope(request).check_write()
+    scope = _scope(request)
+    scope.check_write()
     objs = wire.decode_objects(await _body(request))
     store = state.need_store()
 
     def put() -> list[bytes]:
+        volume = scope.volume
+        if volume is not None:
+            store.check_refs_reachable(volume, (), objs, upload=True)
         store.check_tree_refs(objs)
-        return store.put_objects(objs)
+        ids = store.put_objects(objs)
+        if volume is not None:
+            store.give(volume, ids)  # the uploader holds these bytes
+        return ids
 
     ids = await state.run(put)
     return web.json_response({"stored": len(ids)})
@@ -289,7 +325,15 @@ async def put_objects(request: web.Request) -> web.Response:
 async def get_object(request: web.Request) -> web.Response:
     state = request.app[STATE]
     oid = _oid(request.match_info["oid"])
-    raw = await state.run(state.need_store().get_object, oid)
+    scope = _scope(request)
+    store = state.need_store()
+
+    def read() -> bytes:
+        if _out_of_reach(scope, store, [oid]) is not None:
+            raise no_object(oid)
+        return store.get_object(oid)
+
+    raw = await state.run(read)
     rng = request.http_range
     state.served["objects_served"] += 1
     if rng.start is not None or rng.stop is not None:
@@ -319,8 +363,12 @@ async def get_objects(request: web.Request) -> web.Response:
     if len(ids) > MAX_BATCH_GET:
         raise InvalidInput(f"at most {MAX_BATCH_GET} ids per batch read")
     store = state.need_store()
+    scope = _scope(request)
 
     def read() -> list[bytes]:
+        outside = _out_of_reach(scope, store, ids)
+        if outside is not None:  # the answer for the first id the store lacks
+            raise no_object(outside)
         out: list[bytes] = []
         size = 0
         for oid in ids:
@@ -483,6 +531,8 @@ async def publish(request: web.Request) -> web.Response:
     store = state.need_store()
 
     def run() -> dict[str, Any]:
+        if scope.volume is not None:
+            store.check_refs_reachable(scope.volume, changesets, objects)
         store.check_tree_refs(objects)
         heads, nodes = store.publish_detailed(changesets, objects, txid=txid)
         return {"heads": heads, "prefetch": _prefetch(store, heads, nodes)}

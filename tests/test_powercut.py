@@ -104,8 +104,12 @@ def run_rounds(tmp: Path, rounds: int, seed: int, *, fsync: bool = True) -> list
             time.sleep(rng.uniform(0.05, 0.6))
             proc.send_signal(signal.SIGKILL)
             _, err = proc.communicate()
-            assert proc.returncode == -signal.SIGKILL, f"writer died by itself: {err.decode()}"
             m.power_cut()
+        if proc.returncode != -signal.SIGKILL:
+            # Without fsync the previous cut may leave a store the writer cannot use.
+            assert not fsync, f"writer died by itself: {err.decode()}"
+            lost.append(f"round {run}: the writer failed: {err.decode()[-300:]}")
+            break
         acked: dict[str, str] = {}
         for line in out.read_bytes().split(b"\n")[:-1]:  # whole lines only
             _tag, _thread, _r, _n, sid, path = line.decode().split()
@@ -134,7 +138,7 @@ def run_rounds(tmp: Path, rounds: int, seed: int, *, fsync: bool = True) -> list
             if fsync:
                 report = s.fsck()
                 assert report["ok"], report
-    assert acked_total >= 3, "too few publishes to judge"
+    assert acked_total >= 3 or (lost and not fsync), "too few publishes to judge"
     return lost
 
 

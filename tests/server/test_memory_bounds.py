@@ -117,3 +117,58 @@ def test_memory_stays_bounded_under_large_requests(tmp_path: Path) -> None:
         assert grown < 640 * MIB, f"server grew by {grown // MIB} MiB"
     finally:
         server.stop()
+
+
+def test_concurrent_large_reads_stay_within_the_answer_budget(tmp_path: Path) -> None:
+    """Many read-only clients reading big objects at once: the server's answer budget holds.
+
+    One object is 60 MiB of zeros, which its pack frame stores in a few KiB:
+    the budget counts raw sizes (from the frame header), not stored ones.
+    """
+    store = tmp_path / "s"
+    init_store(str(store), block_size=16 * MIB)
+    port = free_port()
+    server = Server(store, tcp_port=port).start()
+    assert server.proc is not None
+    pid = server.proc.pid
+    try:
+        assert cli("volume", "create", "v", store=store).returncode == 0
+        ro = json.loads(cli("token", "create", "v", "--ro", "--json", store=store).stdout)
+        rw = json.loads(cli("token", "create", "v", "--rw", "--json", store=store).stdout)
+        zeros = bytes(60 * MIB)
+        blocks = [os.urandom(16 * MIB) for _ in range(2)]
+        with RemoteStore(server.tcp_url, rw["token"]) as writer:
+            writer.put_objects([(BLOCK, zeros)])
+            writer.put_objects([(BLOCK, b) for b in blocks])
+        zid = object_id(BLOCK, zeros).hex()
+        batch = b"".join(object_id(BLOCK, b) for b in blocks) * 512
+        time.sleep(0.2)
+        reset_peak(pid)
+        base = peak_rss(pid)
+        answers: list[tuple[int, int]] = []
+
+        def read(path: str, method: str, body: bytes) -> None:
+            status, _h, got = send(port, ro["token"], method, path, body)
+            answers.append((status, len(got)))
+
+        threads = [threading.Thread(target=read, args=(f"/v1/objects/{zid}", "GET", b""))
+                   for _ in range(12)]
+        threads += [threading.Thread(target=read, args=("/v1/objects/get", "POST", batch))
+                    for _ in range(12)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        status, _h, _b = send(port, ro["token"], "GET", "/v1/whoami", b"")
+        small = time.monotonic() - t0
+        for t in threads:
+            t.join()
+        grown = peak_rss(pid) - base
+        print(f"peak growth under 24 concurrent large reads: {grown // MIB} MiB; small "
+              f"request {small * 1000:.0f} ms")
+        assert status == 200 and small < 1.0, small
+        assert sorted(answers) == sorted([(200, 60 * MIB)] * 12
+                                         + [(200, 2 * (16 * MIB + 4))] * 12)
+        assert grown < 512 * MIB, f"server grew by {grown // MIB} MiB"
+    finally:
+        server.stop()

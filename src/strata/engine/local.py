@@ -707,6 +707,15 @@ class LocalStore(Store):
         """Make objects a writer of `volume` uploaded reachable for it (it has their bytes)."""
         self._reach.give(volume_key(volume, self.volume_id(volume)), oids)
 
+    def object_size(self, oid: bytes) -> int:
+        """An object's raw size from its frame header, read without its body."""
+        self._check_open()
+        loc = self._locate(oid)
+        if loc is None:
+            raise no_object(oid)
+        return packfmt.peek_object_size(self._read_fd(loc[0]), loc[1],
+                                        self._pack_info(loc[0]).sync)
+
     def object_kind(self, oid: bytes) -> int | None:
         loc = self._locate(oid)
         return loc[3] if loc is not None else None

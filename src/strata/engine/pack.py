@@ -96,6 +96,19 @@ def encode_object(kind: int, oid: bytes, raw: bytes, compress: bool) -> bytes:
     return encode_frame(R_OBJECT, OBJ_HEAD.pack(kind, oid, len(raw)) + body, flags)
 
 
+def peek_object_size(fd: int, offset: int, sync: bytes) -> int:
+    """The raw size an object frame's header claims, without reading the body.
+
+    Unverified (the CRC covers the whole payload): good for planning memory,
+    never for trusting bytes; capped at what a valid object can be.
+    """
+    at = len(sync) + REST.size
+    head = os.pread(fd, at + OBJ_HEAD_SIZE, offset)
+    if len(head) < at + OBJ_HEAD_SIZE:
+        return MAX_PAYLOAD
+    return min(int(OBJ_HEAD.unpack_from(head, at)[2]), MAX_PAYLOAD)
+
+
 def decode_object(frame: bytes, sync: bytes, pack: str, offset: int
                   ) -> tuple[int, bytes, bytes]:
     """Verify one object frame (marker included) and return (kind, id, raw bytes)."""

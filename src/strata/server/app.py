@@ -48,6 +48,11 @@ MAX_BATCH_ANSWER = 32 * 1024 * 1024  # bytes of objects in one batch answer (or 
 # would pass it waits (small requests, under LARGE_BODY, never do).
 BODY_BUDGET = 256 * 1024 * 1024
 LARGE_BODY = 1024 * 1024
+# Bytes of objects being answered at once, server-wide (counted from their
+# raw sizes before they are read): an answer that would pass it waits. An
+# answer is held about three times while it is built and sent, so reads hold
+# at most about 200 MiB, beside the bodies' budget.
+ANSWER_BUDGET = 64 * 1024 * 1024
 PREFETCH_MAX = 256 * 1024  # bytes of new tree nodes sent back with a publish
 
 
@@ -60,6 +65,7 @@ class ServerState:
         self.tokens = TokenStore(store_dir)
         self.visibility = Visibility()
         self.budget = ByteBudget(BODY_BUDGET)
+        self.answers = ByteBudget(ANSWER_BUDGET)
         self.mode = "starting"      # starting -> serving -> draining -> stopped
         self.inflight = 0
         self.last_request = time.monotonic()
@@ -322,32 +328,40 @@ async def put_objects(request: web.Request) -> web.Response:
     return web.json_response({"stored": len(ids)})
 
 
+async def _send(request: web.Request, resp: web.Response) -> web.Response:
+    """Write an answer now, so that budget held around this call covers its bytes."""
+    await resp.prepare(request)
+    await resp.write_eof()
+    return resp
+
+
 async def get_object(request: web.Request) -> web.Response:
     state = request.app[STATE]
     oid = _oid(request.match_info["oid"])
     scope = _scope(request)
     store = state.need_store()
 
-    def read() -> bytes:
+    def size() -> int:
         if _out_of_reach(scope, store, [oid]) is not None:
             raise no_object(oid)
-        return store.get_object(oid)
+        return store.object_size(oid)
 
-    raw = await state.run(read)
-    rng = request.http_range
-    state.served["objects_served"] += 1
-    if rng.start is not None or rng.stop is not None:
-        start, stop, _step = rng.indices(len(raw))
-        state.served["bytes_served"] += max(stop - start, 0)
-        if start >= len(raw) and len(raw) > 0:
-            return web.json_response({"error": "InvalidInput", "message": "range not satisfiable"},
-                                     status=416)
-        return web.Response(body=raw[start:stop], status=206,
-                            content_type="application/octet-stream",
-                            headers={"Content-Range": f"bytes {start}-{max(stop - 1, start)}/"
-                                                      f"{len(raw)}"})
-    state.served["bytes_served"] += len(raw)
-    return web.Response(body=raw, content_type="application/octet-stream")
+    async with state.answers.hold(await state.run(size)):
+        raw = await state.run(store.get_object, oid)
+        rng = request.http_range
+        state.served["objects_served"] += 1
+        if rng.start is not None or rng.stop is not None:
+            start, stop, _step = rng.indices(len(raw))
+            state.served["bytes_served"] += max(stop - start, 0)
+            if start >= len(raw) and len(raw) > 0:
+                return web.json_response({"error": "InvalidInput",
+                                          "message": "range not satisfiable"}, status=416)
+            return await _send(request, web.Response(
+                body=raw[start:stop], status=206, content_type="application/octet-stream",
+                headers={"Content-Range": f"bytes {start}-{max(stop - 1, start)}/{len(raw)}"}))
+        state.served["bytes_served"] += len(raw)
+        return await _send(request, web.Response(body=raw,
+                                                 content_type="application/octet-stream"))
 
 
 async def get_objects(request: web.Request) -> web.Response:
@@ -356,7 +370,9 @@ async def get_objects(request: web.Request) -> web.Response:
     An answer holds at most MAX_BATCH_ANSWER bytes (and always the first
     object): the ids it covers are in `X-Strata-Count`, and the client asks
     again for the rest. Without the cap, 1024 copies of one large id would
-    make one request hold 1024 times that object.
+    make one request hold 1024 times that object. The sizes are read from
+    the frame headers first, and the answer holds its bytes in the server's
+    answer budget until it is sent.
     """
     state = request.app[STATE]
     ids = wire.decode_ids(await _body(request, limit=MAX_BATCH_GET * 32))
@@ -365,25 +381,31 @@ async def get_objects(request: web.Request) -> web.Response:
     store = state.need_store()
     scope = _scope(request)
 
-    def read() -> list[bytes]:
+    def plan() -> list[int]:
         outside = _out_of_reach(scope, store, ids)
         if outside is not None:  # the answer for the first id the store lacks
             raise no_object(outside)
-        out: list[bytes] = []
-        size = 0
+        sizes: list[int] = []
+        total = 0
         for oid in ids:
-            raw = store.get_object(oid)
-            if out and size + len(raw) > MAX_BATCH_ANSWER:
+            n = store.object_size(oid)
+            if sizes and total + n > MAX_BATCH_ANSWER:
                 break
-            out.append(raw)
-            size += len(raw)
-        return out
+            sizes.append(n)
+            total += n
+        return sizes
 
-    raws = await state.run(read)
-    state.served["objects_served"] += len(raws)
-    state.served["bytes_served"] += sum(len(r) for r in raws)
-    return web.Response(body=wire.encode_blobs(raws), content_type="application/octet-stream",
-                        headers={"X-Strata-Count": str(len(raws))})
+    sizes = await state.run(plan)
+    todo = ids[:len(sizes)]
+    async with state.answers.hold(sum(sizes)):
+        raws = await state.run(lambda: [store.get_object(oid) for oid in todo])
+        state.served["objects_served"] += len(raws)
+        state.served["bytes_served"] += sum(len(r) for r in raws)
+        body = wire.encode_blobs(raws)
+        del raws
+        return await _send(request, web.Response(
+            body=body, content_type="application/octet-stream",
+            headers={"X-Strata-Count": str(len(todo))}))
 
 
 def _oid(text: str) -> bytes:

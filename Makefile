@@ -47,7 +47,7 @@ bench: deps
 fuzz: deps
 	STRATA_HISTORY_STEPS=600 $(BIN)/pytest -q -s tests/run/test_history.py
 	STRATA_STATEFUL_EXAMPLES=1000 $(BIN)/pytest -q tests/test_stateful.py
-	STRATA_FUZZ_EXAMPLES=1000 $(BIN)/pytest -q tests/server/test_fuzz_api.py
+	STRATA_FUZZ_EXAMPLES=1000 STRATA_FUZZ_STATEFUL=1000 $(BIN)/pytest -q tests/server/test_fuzz_api.py
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -33,6 +33,39 @@ def _obj(props: dict[str, Any], required: list[str]) -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": required}
 
 
+def _with_links(responses: dict[str, Any], links: dict[str, Any]) -> dict[str, Any]:
+    (code, resp), = responses.items()
+    return {code: {**resp, "links": links}}
+
+
+# What a client does next with an answer (and what stateful fuzzing follows).
+FORK_LINKS = {
+    "ListTheNewBranch": {"operationId": "listBranches",
+                         "parameters": {"volume": "$request.path.volume"}},
+    "ResolveItsHead": {"operationId": "resolveSnapshot",
+                       "parameters": {"prefix": "$response.body#/head",
+                                      "volume": "$request.path.volume"}},
+    "ForkItsHead": {"operationId": "fork", "parameters": {"volume": "$request.path.volume"},
+                    "requestBody": {"name": "$response.body#/name",
+                                    "at": "$response.body#/head"}},
+    "LeaseIt": {"operationId": "lease",
+                "parameters": {"volume": "$request.path.volume", "action": "acquire"},
+                "requestBody": {"branch": "$response.body#/name", "ttl": 30}},
+    "DeleteIt": {"operationId": "deleteBranch",
+                 "parameters": {"volume": "$request.path.volume",
+                                "branch": "$response.body#/name"}},
+}
+LEASE_LINKS = {
+    "RenewIt": {"operationId": "lease",
+                "parameters": {"volume": "$request.path.volume", "action": "renew"},
+                "requestBody": {"branch": "$request.body#/branch",
+                                "lease": "$response.body#/lease", "ttl": 30}},
+    "ReleaseIt": {"operationId": "lease",
+                  "parameters": {"volume": "$request.path.volume", "action": "release"},
+                  "requestBody": {"branch": "$request.body#/branch",
+                                  "lease": "$response.body#/lease"}},
+}
+
 VOLUME_PARAM = {"name": "volume", "in": "path", "required": True, "schema": NAME}
 COMMON = (400, 401, 403, 404, 503)
 
@@ -118,16 +151,18 @@ OPENAPI: dict[str, Any] = {
                           **_err(*COMMON)}}},
         "/v1/volumes/{volume}/branches": {
             "get": {"summary": "branches and their heads", "parameters": [VOLUME_PARAM],
+                    "operationId": "listBranches",
                     "responses": {**_ok(_obj({"branches": {"type": "object",
                                                            "additionalProperties": HEX64}},
                                              ["branches"])), **_err(*COMMON)}},
             "post": {"summary": "fork: a new branch at a snapshot (or empty when at is null)",
-                     "parameters": [VOLUME_PARAM],
+                     "parameters": [VOLUME_PARAM], "operationId": "fork",
                      "requestBody": _json_body(_obj({"name": BRANCH,
                                                      "at": {**HEX64, "nullable": True}},
                                                     ["name"])),
-                     "responses": {**_ok(_obj({"name": {"type": "string"}, "head": HEX64},
-                                              ["name", "head"]), 201),
+                     "responses": {**_with_links(_ok(_obj({"name": {"type": "string"},
+                                                           "head": HEX64},
+                                                          ["name", "head"]), 201), FORK_LINKS),
                                    **_err(400, 401, 403, 404, 409, 503)}}},
         "/v1/heads": {"post": {
             "summary": "the heads of several branches, read at one instant",
@@ -138,13 +173,14 @@ OPENAPI: dict[str, Any] = {
             "responses": {**_ok(_obj({"heads": {"type": "array", "items": HEX64}},
                                      ["heads"])), **_err(400, 401, 403, 404, 503)}}},
         "/v1/volumes/{volume}/branches/{branch}": {"delete": {
-            "summary": "delete a branch",
+            "summary": "delete a branch", "operationId": "deleteBranch",
             "parameters": [VOLUME_PARAM, {"name": "branch", "in": "path", "required": True,
                                           "schema": BRANCH}],
             "responses": {**_ok(_obj({"deleted": {"type": "string"}}, ["deleted"])),
                           **_err(*COMMON)}}},
         "/v1/volumes/{volume}/lease/{action}": {"post": {
             "summary": "acquire, renew or release a branch lease (secret lease id)",
+            "operationId": "lease",
             "parameters": [VOLUME_PARAM, {"name": "action", "in": "path", "required": True,
                                           "schema": {"type": "string",
                                                      "enum": ["acquire", "renew",
@@ -154,12 +190,14 @@ OPENAPI: dict[str, Any] = {
                                                     "maximum": 86400},
                                             "lease": {"type": "string"},
                                             "holder": {"type": "string"}}, ["branch"])),
-            "responses": {**_ok({"oneOf": [{"$ref": "#/components/schemas/Lease"},
-                                           _obj({"released": {"type": "boolean"}},
-                                                ["released"])]}),
+            "responses": {**_with_links(_ok({"oneOf": [
+                              {"$ref": "#/components/schemas/Lease"},
+                              _obj({"released": {"type": "boolean"}}, ["released"])]}),
+                                        LEASE_LINKS),
                           **_err(*COMMON, 423)}}},
         "/v1/snapshots/{prefix}": {"get": {
             "summary": "the full id of the one snapshot with this prefix",
+            "operationId": "resolveSnapshot",
             "parameters": [{"name": "prefix", "in": "path", "required": True,
                             "schema": {"type": "string", "pattern": "^[0-9a-f]{8,64}$"}},
                            {"name": "volume", "in": "query", "required": False,

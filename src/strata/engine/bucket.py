@@ -1,0 +1,286 @@
+"""An object store bucket, and the owner log that fences two owners apart.
+
+The bucket tier keeps a store in S3, GCS, Azure or a local directory
+(through obstore, one client for all of them). This module holds the two
+parts everything else in the tier stands on:
+
+- `Bucket`: the few operations the tier needs (create-only put, plain put,
+  get, ranged get, head), with obstore's errors turned into strata's, each
+  naming the object.
+- `OwnerLog`: numbered, create-only records `log/<seq>`. Whoever writes the
+  next record holds the store; a takeover writes a claim record at the end
+  of the log, so the old owner's next write to that number fails, and it
+  learns that it is fenced before it acknowledges anything more.
+
+Only create-if-absent (If-None-Match: *) is needed, never If-Match: GCS,
+Azure, S3 and obstore's local filesystem all honour it. `check_conditional`
+proves it on the live backend before the tier uses it, because a backend
+or proxy that ignores the header would silently let two owners write.
+
+The layout and record format are in docs/format.md ("The bucket").
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+import blake3
+import obstore
+import obstore.exceptions as obx
+from obstore.store import LocalStore as ObLocalStore
+from obstore.store import from_url
+
+from strata.engine.errors import Corrupt, NotFound, StrataError, Unavailable
+from strata.engine.objects import packb, unpackb
+
+# obstore raises its own classes, or Python's for the same conditions.
+_MISSING = (obx.NotFoundError, FileNotFoundError)
+_TAKEN = (obx.AlreadyExistsError, obx.PreconditionError, FileExistsError)
+_FAILED = (obx.BaseError, OSError)
+
+LOG_DIGITS = 20
+RECORD_MAGIC = b"STRL"
+RECORD_VERSION = 1
+HINT = "log-hint"
+
+
+class BucketUnavailable(Unavailable):
+    """The bucket did not answer (after obstore's retries): nothing was changed by us."""
+
+
+class Exists(StrataError):
+    """A create-only put found the name taken."""
+
+    http_status = 409
+
+
+class Fenced(StrataError):
+    """Another owner took the store over: this one must stop acknowledging writes."""
+
+    http_status = 503
+
+
+class NoConditionalWrites(StrataError):
+    """The backend ignores If-None-Match, so two owners could both write."""
+
+    http_status = 500
+
+
+class Bucket:
+    """One bucket prefix. Names are relative to the prefix, `/`-separated."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme == "file":
+            root = urllib.parse.unquote(parsed.path)
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            self._store: Any = ObLocalStore(root)
+        elif parsed.scheme in ("s3", "gs", "az", "abfs", "abfss", "http", "https"):
+            # Credentials, region and endpoint come from each cloud's usual
+            # environment variables (AWS_*, GOOGLE_*, AZURE_*).
+            self._store = from_url(url)
+        else:
+            raise ValueError(f"unsupported bucket URL {url!r}: use s3://, gs://, az:// "
+                             "or file://")
+
+    def put_new(self, name: str, data: bytes) -> None:
+        """Create `name`; `Exists` if it is already there (If-None-Match: *)."""
+        try:
+            obstore.put(self._store, name, data, mode="create")
+        except _TAKEN:  # some backends answer 412 for If-None-Match, others 409
+            raise Exists(f"bucket object {name} already exists") from None
+        except _FAILED as exc:
+            raise BucketUnavailable(f"bucket write of {name} failed: {exc}") from None
+
+    def put(self, name: str, data: bytes) -> None:
+        """Write `name` unconditionally (only for hints, never for facts)."""
+        try:
+            obstore.put(self._store, name, data)
+        except _FAILED as exc:
+            raise BucketUnavailable(f"bucket write of {name} failed: {exc}") from None
+
+    def get(self, name: str) -> bytes:
+        try:
+            return bytes(obstore.get(self._store, name).bytes())
+        except _MISSING:
+            raise NotFound(f"bucket object {name} is missing") from None
+        except _FAILED as exc:
+            raise BucketUnavailable(f"bucket read of {name} failed: {exc}") from None
+
+    def get_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of `name`; short only if the object is."""
+        try:
+            return bytes(obstore.get_range(self._store, name, start=start, end=end))
+        except _MISSING:
+            raise NotFound(f"bucket object {name} is missing") from None
+        except _FAILED as exc:
+            raise BucketUnavailable(f"bucket read of {name} failed: {exc}") from None
+
+    def exists(self, name: str) -> bool:
+        try:
+            obstore.head(self._store, name)
+        except _MISSING:
+            return False
+        except _FAILED as exc:
+            raise BucketUnavailable(f"bucket head of {name} failed: {exc}") from None
+        return True
+
+    def delete(self, name: str) -> None:
+        try:
+            obstore.delete(self._store, name)
+        except _MISSING:
+            pass
+        except _FAILED as exc:
+            raise BucketUnavailable(f"bucket delete of {name} failed: {exc}") from None
+
+    def check_conditional(self) -> None:
+        """Prove that a second create-only put of one name is refused, or refuse to run."""
+        name = f"probe/{os.urandom(16).hex()}"
+        self.put_new(name, b"first")
+        try:
+            try:
+                self.put_new(name, b"second")
+            except Exists:
+                return
+            raise NoConditionalWrites(
+                f"the bucket at {self.url} accepted a second create-only write of one "
+                "object: it ignores If-None-Match, so it cannot keep two owners of a "
+                "store apart; strata will not use it")
+        finally:
+            self.delete(name)
+
+
+def encode_record(body: dict[str, Any]) -> bytes:
+    """magic, version byte, BLAKE3-256 of the msgpack body, body."""
+    raw = packb(body)
+    return RECORD_MAGIC + bytes([RECORD_VERSION]) + blake3.blake3(raw).digest() + raw
+
+
+def decode_record(name: str, data: bytes) -> dict[str, Any]:
+    if len(data) < 37 or data[:4] != RECORD_MAGIC:
+        raise Corrupt(name, 0, "not a strata log record")
+    if data[4] != RECORD_VERSION:
+        raise Corrupt(name, 0, f"log record version {data[4]} is not one this strata reads "
+                               f"({RECORD_VERSION}); upgrade strata")
+    raw = data[37:]
+    if blake3.blake3(raw).digest() != data[5:37]:
+        raise Corrupt(name, 0, "log record checksum does not match")
+    try:
+        body = unpackb(raw)
+    except ValueError as exc:
+        raise Corrupt(name, 0, f"log record does not decode: {exc}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("epoch"), int) \
+            or not isinstance(body.get("kind"), str) or not isinstance(body.get("nonce"), bytes):
+        raise Corrupt(name, 0, "log record lacks epoch, kind or nonce")
+    return body
+
+
+def log_name(seq: int) -> str:
+    return f"log/{seq:0{LOG_DIGITS}d}"
+
+
+class OwnerLog:
+    """The bucket's numbered records; writing the next one is what owning means.
+
+    Records are never overwritten and numbers never skipped, so the log is one
+    line of history and its end can be found without LIST: from the hint (a
+    number some writer saw, never past the end) gallop forward with HEADs,
+    then bisect. An owner's epoch is the number of its claim record.
+    """
+
+    def __init__(self, bucket: Bucket) -> None:
+        self.bucket = bucket
+        self.epoch: int | None = None
+        self.next: int | None = None  # where this owner writes next
+
+    def find_end(self) -> int:
+        """The first free record number."""
+        lo = 0
+        try:
+            lo = max(0, int(self.bucket.get(HINT).decode()))
+        except (NotFound, ValueError):
+            pass
+        if not self.bucket.exists(log_name(lo)):
+            if lo == 0:
+                return 0
+            lo = 0  # a hint past the end: only a damaged bucket has one
+            if not self.bucket.exists(log_name(0)):
+                return 0
+        step = 1
+        hi = lo + step
+        while self.bucket.exists(log_name(hi)):  # lo exists; find a missing hi
+            lo, step = hi, step * 2
+            hi = lo + step
+        while hi - lo > 1:  # lo exists, hi does not
+            mid = (lo + hi) // 2
+            if self.bucket.exists(log_name(mid)):
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+    def read(self, seq: int) -> dict[str, Any]:
+        name = log_name(seq)
+        return decode_record(name, self.bucket.get(name))
+
+    def records(self, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Records from `start` to the end of the log."""
+        seq = start
+        while True:
+            try:
+                body = self.read(seq)
+            except NotFound:
+                return
+            yield seq, body
+            seq += 1
+
+    def claim(self, host: str = "") -> int:
+        """Take the store over: write a claim at the end of the log; returns the epoch."""
+        for _ in range(100):
+            seq = self.find_end()
+            if self._write(seq, {"kind": "claim", "epoch": seq, "host": host}):
+                self.epoch, self.next = seq, seq + 1
+                self.bucket.put(HINT, str(seq).encode())
+                return seq
+        raise BucketUnavailable("could not claim the bucket's log: 100 races in a row")
+
+    def append(self, kind: str, **fields: Any) -> int:
+        """Write the next record as this owner; `Fenced` if another owner claimed the log."""
+        if self.epoch is None or self.next is None:
+            raise Fenced("this process does not own the bucket's log")
+        seq = self.next
+        if not self._write(seq, {**fields, "kind": kind, "epoch": self.epoch}):
+            other = self.read(seq)
+            self.epoch = None
+            raise Fenced(f"the store was taken over (epoch {other['epoch']} wrote "
+                         f"{log_name(seq)}): this owner stops")
+        self.next = seq + 1
+        return seq
+
+    def _write(self, seq: int, body: dict[str, Any]) -> bool:
+        """Create record `seq`; False if another writer's record is there.
+
+        A put whose answer was lost and is sent again finds its own record
+        (same nonce) and counts as written.
+        """
+        nonce = os.urandom(16)
+        data = encode_record({**body, "v": 1, "nonce": nonce})
+        name = log_name(seq)
+        try:
+            self.bucket.put_new(name, data)
+            return True
+        except Exists:
+            pass
+        except BucketUnavailable:
+            if not self.bucket.exists(name):
+                raise
+        return self.bucket.get(name) == data
+
+    def write_hint(self) -> None:
+        """Record how far the log reached (restores start their search there)."""
+        if self.next is not None:
+            self.bucket.put(HINT, str(self.next - 1).encode())

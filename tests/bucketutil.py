@@ -1,0 +1,137 @@
+"""A real S3-protocol server for tests: moto in server mode on loopback, plus a fault proxy.
+
+`Moto` starts `python -m moto.server` on a free loopback port and creates a
+bucket; `env()` gives the AWS_* variables that point obstore (and boto3) at
+it. `FaultProxy` sits between a client and moto and can break what a real
+network or a sloppy backend breaks; its first trick drops If-None-Match, as
+a backend that ignores conditional writes would; its second forwards a PUT
+and drops the answer, as a lost connection does.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serverutil import free_port  # noqa: E402
+
+BUCKET = "strata-test"
+
+
+class Moto:
+    def __init__(self, log_dir: Path) -> None:
+        self.port = free_port()
+        self.log = log_dir / f"moto-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, endpoint: str | None = None) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": endpoint or self.endpoint, "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1",
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
+
+    def start(self) -> Moto:
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+                                          "-p", str(self.port)], stdout=log, stderr=log)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, self.log.read_text()
+                assert self.proc.poll() is None, self.log.read_text()
+                time.sleep(0.05)
+        self.s3().create_bucket(Bucket=BUCKET)
+        return self
+
+    def s3(self) -> Any:
+        import boto3
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="test",
+                            aws_secret_access_key="test", region_name="us-east-1")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+class FaultProxy:
+    """An HTTP proxy in front of moto; set `drop_headers` to strip request headers."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.drop_headers: set[str] = set()
+        self.lose_answers = 0  # forward this many PUTs, then drop their answers
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in proxy.drop_headers}
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                if self.command == "PUT" and proxy.lose_answers > 0:
+                    proxy.lose_answers -= 1
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> FaultProxy:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def set_env(env: dict[str, str]) -> None:
+    os.environ.update(env)

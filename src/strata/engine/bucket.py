@@ -154,27 +154,40 @@ class Bucket:
             self.delete(name)
 
 
-def encode_record(body: dict[str, Any]) -> bytes:
-    """magic, version byte, BLAKE3-256 of the msgpack body, body."""
+def frame_record(magic: bytes, version: int, body: dict[str, Any]) -> bytes:
+    """A framed record: magic (4 bytes), version byte, BLAKE3-256 of the body, msgpack body."""
     raw = packb(body)
-    return RECORD_MAGIC + bytes([RECORD_VERSION]) + blake3.blake3(raw).digest() + raw
+    return magic + bytes([version]) + blake3.blake3(raw).digest() + raw
 
 
-def decode_record(name: str, data: bytes) -> dict[str, Any]:
-    if len(data) < 37 or data[:4] != RECORD_MAGIC:
-        raise Corrupt(name, 0, "not a strata log record")
-    if data[4] != RECORD_VERSION:
-        raise Corrupt(name, 0, f"log record version {data[4]} is not one this strata reads "
-                               f"({RECORD_VERSION}); upgrade strata")
+def open_record(name: str, data: bytes, magic: bytes, version: int, what: str
+                ) -> dict[str, Any]:
+    """The body of a framed record, checked; `Corrupt` naming the object if it is not."""
+    if len(data) < 37 or data[:4] != magic:
+        raise Corrupt(name, 0, f"not a strata {what}")
+    if data[4] != version:
+        raise Corrupt(name, 0, f"{what} version {data[4]} is not one this strata reads "
+                               f"({version}); upgrade strata")
     raw = data[37:]
     if blake3.blake3(raw).digest() != data[5:37]:
-        raise Corrupt(name, 0, "log record checksum does not match")
+        raise Corrupt(name, 0, f"{what} checksum does not match")
     try:
         body = unpackb(raw)
     except ValueError as exc:
-        raise Corrupt(name, 0, f"log record does not decode: {exc}") from None
-    if not isinstance(body, dict) or not isinstance(body.get("epoch"), int) \
-            or not isinstance(body.get("kind"), str) or not isinstance(body.get("nonce"), bytes):
+        raise Corrupt(name, 0, f"{what} does not decode: {exc}") from None
+    if not isinstance(body, dict):
+        raise Corrupt(name, 0, f"{what} is not a map")
+    return body
+
+
+def encode_record(body: dict[str, Any]) -> bytes:
+    return frame_record(RECORD_MAGIC, RECORD_VERSION, body)
+
+
+def decode_record(name: str, data: bytes) -> dict[str, Any]:
+    body = open_record(name, data, RECORD_MAGIC, RECORD_VERSION, "log record")
+    if not isinstance(body.get("epoch"), int) or not isinstance(body.get("kind"), str) \
+            or not isinstance(body.get("nonce"), bytes):
         raise Corrupt(name, 0, "log record lacks epoch, kind or nonce")
     return body
 

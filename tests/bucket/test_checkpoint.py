@@ -25,7 +25,8 @@ def test_a_checkpoint_round_trips_and_refuses_damage() -> None:
                     volumes={"v": "ab" * 16, "w": ""},
                     refs={("v", "live"): "cd" * 32, ("v", "a/b"): "ef" * 32},
                     leases=[["v", "live", 3, 10**18, "host", b"k" * 16]],
-                    packs={1: "packs/00000001-aa.pack", 2: "packs/00000002-bb.pack"},
+                    packs={1: ("packs/00000001-aa.pack", 900), 2: ("packs/00000002-bb.pack", 77)},
+                    log_from=12, block_size=65536,
                     run="runs/x", fences=fences, entries=count)
     data = cp.encode()
     assert Checkpoint.decode("checkpoints/x", data) == cp

@@ -120,6 +120,14 @@ class Bucket:
         except _FAILED as exc:
             raise BucketUnavailable(f"bucket read of {name} failed: {exc}") from None
 
+    def size(self, name: str) -> int:
+        try:
+            return int(obstore.head(self._store, name)["size"])
+        except _MISSING:
+            raise NotFound(f"bucket object {name} is missing") from None
+        except _FAILED as exc:
+            raise BucketUnavailable(f"bucket head of {name} failed: {exc}") from None
+
     def exists(self, name: str) -> bool:
         try:
             obstore.head(self._store, name)

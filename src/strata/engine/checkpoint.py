@@ -51,7 +51,9 @@ class Checkpoint:
     volumes: dict[str, str]                      # name -> volume id
     refs: dict[tuple[str, str], str]             # (volume, branch) -> snapshot id
     leases: list[list[Any]]                      # the leases table's rows
-    packs: dict[int, str]                        # pack number -> bucket object name
+    packs: dict[int, tuple[str, int]]            # sealed pack -> (bucket name, size)
+    log_from: int = 0                            # first log record holding other packs' bytes
+    block_size: int = 0
     run: str = ""                                # bucket name of the index run
     fences: list[bytes] = field(default_factory=list)
     entries: int = 0
@@ -62,7 +64,8 @@ class Checkpoint:
             "applied": list(self.applied), "volumes": self.volumes,
             "refs": [[v, b, bytes.fromhex(s)] for (v, b), s in sorted(self.refs.items())],
             "leases": self.leases,
-            "packs": [[n, name] for n, name in sorted(self.packs.items())],
+            "packs": [[n, name, size] for n, (name, size) in sorted(self.packs.items())],
+            "log_from": self.log_from, "block_size": self.block_size,
             "run": self.run, "fences": b"".join(self.fences), "entries": self.entries})
 
     @classmethod
@@ -78,7 +81,8 @@ class Checkpoint:
                 volumes={str(k): str(v) for k, v in b["volumes"].items()},
                 refs={(str(v), str(br)): bytes(s).hex() for v, br, s in b["refs"]},
                 leases=list(b["leases"]),
-                packs={int(n): str(p) for n, p in b["packs"]},
+                packs={int(n): (str(p), int(z)) for n, p, z in b["packs"]},
+                log_from=int(b["log_from"]), block_size=int(b["block_size"]),
                 run=str(b["run"]), entries=int(b["entries"]),
                 fences=[fences[i:i + 32] for i in range(0, len(fences), 32)])
         except (KeyError, TypeError, ValueError, IndexError) as exc:

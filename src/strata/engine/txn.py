@@ -29,7 +29,7 @@ from strata.engine.objects import (
     FileNode,
     object_id,
 )
-from strata.engine.tree import NodeCache, Trees, decode_name, encode_name
+from strata.engine.tree import NodeCache, Trees, decode_name
 
 FLUSH_BYTES = 8 * 1024 * 1024
 INLINE_PUBLISH_BYTES = 4 * 1024 * 1024  # pending objects up to this size ride with the publish
@@ -223,26 +223,9 @@ class Transaction:
         for k in [k for k in self._children if k == key or k.startswith(prefix)]:
             del self._children[k]
 
-    def _root(self) -> Entry:
-        e = self.changes.get("")
-        return self.base_root if e is None else e.with_(ref=self.base_root.ref)
-
     def _resolve(self, parts: tuple[str, ...], *, skip_last: bool = False) -> Entry | None:
-        cur: Entry | None = self._root()
-        for i, name in enumerate(parts):
-            if cur is None or cur.kind != K_DIR:
-                return None
-            under = self.trees.lookup(cur.ref, encode_name(name)) if cur.ref else None
-            key = "/".join(parts[:i + 1])
-            if key in self.changes and not (skip_last and i == len(parts) - 1):
-                e = self.changes[key]
-                if e is not None and e.kind == K_DIR and e.ref is None:
-                    e = e.with_(ref=under.ref if under is not None and under.kind == K_DIR
-                                else EMPTY_TREE_ID)
-                cur = e
-            else:
-                cur = under
-        return cur
+        return self.trees.resolve_changed(self.base_root, self.changes, parts,
+                                          skip_last=skip_last)
 
     def lookup(self, path: str) -> Entry | None:
         """The entry at `path` as this transaction sees it, or None."""

@@ -222,11 +222,6 @@ class UpperScanner:
                 if new != e:
                     out.changes[p] = new
 
-    def _lower_child(self, lower_dir: Entry | None, name: str) -> Entry | None:
-        if lower_dir is None or lower_dir.kind != K_DIR or lower_dir.ref is None:
-            return None
-        return self.trees.lookup(lower_dir.ref, encode_name(name))
-
     def _walk(self, real: str, prefix: str, lower_dir: Entry | None,
               lower_parts: tuple[str, ...] | None, out: Scan, links: dict[int, list[str]],
               touched: set[int], redirects: list[tuple[str, tuple[str, ...]]]) -> None:
@@ -235,7 +230,7 @@ class UpperScanner:
         for d in items:
             path = f"{prefix}/{d.name}" if prefix else d.name
             st = d.stat(follow_symlinks=False)
-            lower = self._lower_child(lower_dir, d.name)
+            lower = self.trees.child(lower_dir, encode_name(d.name))
             if lower is not None and lower.kind == K_FILE and lower.ino:
                 touched.add(lower.ino)
             if _is_whiteout(st):

@@ -33,7 +33,6 @@ from strata.engine.objects import (
     K_FILE,
     K_SOCK,
     K_SYMLINK,
-    ZERO_ID,
     Entry,
     FileNode,
     object_id,
@@ -237,15 +236,11 @@ def _write_content(fd: int, cw: ContentWriter, e: Entry) -> None:
             view = view[os.write(fd, view):]
         return
     node = FileNode.decode(cw.get_object(e.ref))
-    bs = node.block_size
-    for i, oid in enumerate(node.blocks):
-        length = min(bs, node.size - i * bs)
-        if length <= 0:
-            break
-        if oid == ZERO_ID:  # a hole stays a hole
+    for length, piece in node.pieces(0, node.size, cw.get_object):
+        if piece is None:  # a hole stays a hole
             os.lseek(fd, length, os.SEEK_CUR)
             continue
-        view = memoryview(cw.read_block(oid, length))
+        view = memoryview(piece)
         while view:
             view = view[os.write(fd, view):]
     os.ftruncate(fd, node.size)

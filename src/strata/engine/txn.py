@@ -27,6 +27,7 @@ from strata.engine.objects import (
     ZERO_ID,
     Entry,
     FileNode,
+    fit_block,
     object_id,
 )
 from strata.engine.tree import NodeCache, Trees, decode_name
@@ -111,8 +112,7 @@ class ContentWriter:
     def read_block(self, oid: bytes, length: int) -> bytes:
         if oid == ZERO_ID:
             return bytes(length)
-        raw = self.get_object(oid)
-        return raw + bytes(length - len(raw)) if len(raw) < length else raw[:length]
+        return fit_block(self.get_object(oid), length)
 
     def blocks_of(self, e: Entry) -> tuple[list[bytes], int]:
         """A file's block ids (re-cut to this writer's block size) and its size."""
@@ -138,24 +138,15 @@ class ContentWriter:
             return (e.data or b"")[offset:end]
         node = FileNode.decode(self.get_object(e.ref))
         bs = node.block_size
-        out = []
-        span = range(offset // bs, (end - 1) // bs + 1)
-        wanted = [node.blocks[i] for i in span
-                  if node.blocks[i] != ZERO_ID and node.blocks[i] not in self.pending]
+        span = node.blocks[offset // bs:(end - 1) // bs + 1]
+        wanted = [b for b in span if b != ZERO_ID and b not in self.pending]
         fetched = dict(zip(wanted, self.store.get_objects(wanted), strict=True)) if (
             len(wanted) > 1) else {}
-        for i in span:
-            oid = node.blocks[i]
-            length = min(bs, node.size - i * bs)
-            if oid in fetched:
-                raw = fetched[oid]
-                blk = raw + bytes(length - len(raw)) if len(raw) < length else raw[:length]
-            else:
-                blk = self.read_block(oid, length)
-            lo = max(offset - i * bs, 0)
-            hi = min(end - i * bs, bs)
-            out.append(blk[lo:hi])
-        return b"".join(out)
+
+        def fetch(oid: bytes) -> bytes:
+            return fetched[oid] if oid in fetched else self.get_object(oid)
+
+        return node.read(offset, end, fetch)
 
     def splice(self, e: Entry, offset: int, data: bytes | None, new_size: int | None = None
                ) -> Entry:

@@ -35,7 +35,7 @@ from strata.engine.objects import (
     K_SYMLINK,
     Entry,
     FileNode,
-    object_id,
+    link_group,
 )
 from strata.engine.tree import NodeCache, Trees, decode_name
 from strata.engine.txn import ContentWriter
@@ -155,8 +155,7 @@ def import_dir(store: Store, volume: str, branch: str, src_dir: str, *,
                 break
         if not ino:
             first = scanned[members[0]][0].rel
-            ino = int.from_bytes(object_id(0, b"import\0" + os.fsencode(first))[:6], "little")
-            ino |= 1
+            ino = link_group(b"import\0" + os.fsencode(first))
             while ino in used:
                 ino += 2
         used.add(ino)

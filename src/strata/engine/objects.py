@@ -132,6 +132,15 @@ class Entry:
         return e
 
 
+def link_group(seed: bytes) -> int:
+    """A number for a new hard-link group (Entry.ino): 48 bits of a hash, odd so never 0.
+
+    Each caller picks a seed that makes its numbers stable where it needs
+    them to be (import: the group's first path, so re-imports agree).
+    """
+    return int.from_bytes(object_id(0, seed)[:6], "little") | 1
+
+
 def dir_entry(mode: int = 0o755, *, ref: bytes | None = None, uid: int = 0, gid: int = 0,
               mtime_ns: int = 0) -> Entry:
     return Entry(kind=K_DIR, mode=mode, uid=uid, gid=gid, mtime_ns=mtime_ns, ref=ref)

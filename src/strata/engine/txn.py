@@ -28,9 +28,10 @@ from strata.engine.objects import (
     Entry,
     FileNode,
     fit_block,
+    link_group,
     object_id,
 )
-from strata.engine.tree import NodeCache, Trees, decode_name
+from strata.engine.tree import NodeCache, Trees, decode_name, encode_name
 
 FLUSH_BYTES = 8 * 1024 * 1024
 INLINE_PUBLISH_BYTES = 4 * 1024 * 1024  # pending objects up to this size ride with the publish
@@ -373,8 +374,7 @@ class Transaction:
         self._need_dir_parent(parts)
         if self._resolve(parts) is not None:
             raise AlreadyExists(f"{dst!r} already exists")
-        ino = e.ino or int.from_bytes(object_id(0, f"{src}\0{time.time_ns()}".encode())[:6],
-                                      "little") | 1
+        ino = e.ino or link_group(encode_name(f"{src}\0{time.time_ns()}"))
         members = [p for p, _ in self._group(e.ino)] if e.ino else [src]
         new = e.with_(ino=ino, nlink=len(members) + 1)
         for p in members:

@@ -32,6 +32,7 @@ from strata.engine.objects import (
     K_FILE,
     Entry,
     FileNode,
+    link_group,
     object_id,
 )
 from strata.engine.tree import Trees, encode_name
@@ -198,8 +199,7 @@ class UpperScanner:
             out.changes[""] = root  # path "" is the root: attributes only
         for paths in links.values():  # hard links made inside the mount
             if len(paths) > 1:
-                digest = object_id(0, "\0".join(sorted(paths)).encode("utf-8", "surrogateescape"))
-                group = int.from_bytes(digest[:6], "little") | 1
+                group = link_group(encode_name("\0".join(sorted(paths))))
                 for p in paths:
                     e = out.changes.get(p)
                     if e is not None:

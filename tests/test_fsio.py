@@ -19,10 +19,12 @@ import pytest
 from strata.engine.changes import parse_changes
 from strata.engine.errors import Conflict, InvalidInput, NotFound
 from strata.engine.local import LocalStore, init_store
-from strata.engine.objects import K_CHR, K_DIR, K_FILE, Entry
+from strata.engine.objects import K_CHR, K_DIR, K_FILE, ZERO_ID, Entry, FileNode
 from strata.engine.tree import Trees
 from strata.engine.txn import Transaction
 from strata.fsio import export_snapshot, import_dir
+from strata.localfile import read_xattrs
+from strata.mount.overlay import OVERLAY_PREFIX, UpperScanner
 
 T = 1_700_000_000_000_000_001
 
@@ -261,3 +263,93 @@ def test_names_that_are_not_utf8_and_a_symlinked_source(store: LocalStore,
     out = tmp_path / "out"
     export_snapshot(store, sid, str(out))
     assert os.listdir(os.fsencode(out)) == [b"caf\xe9"]
+
+
+# -- one reading of local files for import and the mount (strata.localfile) --------
+
+
+def _can_find_holes(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return os.lseek(f.fileno(), 0, os.SEEK_DATA) > 0
+
+
+def test_import_keeps_holes_without_reading_them(store: LocalStore, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    size = 50 * 1024 * 1024
+    with open(src / "sparse", "wb") as f:
+        f.seek(size - 1)
+        f.write(b"x")
+    if not _can_find_holes(src / "sparse"):
+        pytest.skip("the temporary filesystem does not report holes")
+    read = 0
+    real_read, real_pread = os.read, os.pread
+
+    def counting_read(fd: int, n: int) -> bytes:
+        nonlocal read
+        data = real_read(fd, n)
+        read += len(data)
+        return data
+
+    def counting_pread(fd: int, n: int, offset: int) -> bytes:
+        nonlocal read
+        data = real_pread(fd, n, offset)
+        read += len(data)
+        return data
+
+    monkeypatch.setattr(os, "read", counting_read)
+    monkeypatch.setattr(os, "pread", counting_pread)
+    import_dir(store, "v", "live", str(src))
+    monkeypatch.undo()
+    assert read < 1024 * 1024  # the data block, not 50 MiB of zeros
+    e = _entry(store, "sparse")
+    assert e is not None and e.ref is not None and e.size == size
+    node = FileNode.decode(store.get_object(e.ref))
+    assert node.blocks[:-1] == (ZERO_ID,) * (len(node.blocks) - 1)
+    assert node.blocks[-1] != ZERO_ID
+    assert Transaction(store, "v").read("sparse", size - 2) == b"\0x"
+
+
+def test_import_and_a_mount_commit_read_the_same_entries(store: LocalStore,
+                                                         tmp_path: Path) -> None:
+    """Both build entries from local files with strata.localfile, so they agree exactly."""
+    src = tmp_path / "src"
+    src.mkdir()
+    bsrc = os.fsencode(src)
+    (src / "small").write_bytes(b"tiny")
+    (src / "zeros").write_bytes(bytes(3 * 4096))
+    (src / "mixed").write_bytes(os.urandom(5000) + bytes(10_000) + b"end")
+    os.symlink(b"caf\xe9/../target", os.path.join(bsrc, b"link"))
+    os.mkdir(src / "d")
+    os.mkfifo(src / "d" / "fifo")
+    for path, name, value in [(b"small", b"user.caf\xe9", b"\xff\x00v"),
+                              (b"d", b"user.dir", b"x"), (b"mixed", b"user.a", b"")]:
+        os.setxattr(os.path.join(bsrc, path), name, value)
+    os.setxattr(bsrc, b"user.root", b"r")
+    for p in [*src.rglob("*"), src]:
+        os.utime(p, ns=(T, T), follow_symlinks=False)
+
+    base = store.snapshot(store.head("v", "live")).root
+    sid = import_dir(store, "v", "live", str(src))
+    root = store.snapshot(sid).root
+    imported = {p: e.with_(ref=None) if e.kind == K_DIR else e
+                for p, e in Trees(store).walk(root)}
+    imported[""] = root.with_(ref=None)
+    scanned = UpperScanner(Trees(store), base, store.block_size).scan(str(src)).changes
+    assert scanned == imported
+    assert imported["link"].data == b"caf\xe9/../target"
+    assert imported["small"].xattrs == ((b"user.caf\xe9", b"\xff\x00v"),)
+    assert imported["zeros"].ref is not None
+    assert FileNode.decode(store.get_object(imported["zeros"].ref)).blocks == (ZERO_ID,) * 3
+
+
+def test_xattrs_skip_only_what_is_absent_and_raise_on_errors(tmp_path: Path) -> None:
+    f = tmp_path / "f"
+    f.write_bytes(b"")
+    os.setxattr(f, b"user.keep", b"1")
+    if os.geteuid() == 0:
+        os.setxattr(f, OVERLAY_PREFIX + b"opaque", b"y")
+    assert read_xattrs(str(f), exclude=OVERLAY_PREFIX) == ((b"user.keep", b"1"),)
+    with pytest.raises(FileNotFoundError):  # once swallowed by the mount's commit
+        read_xattrs(str(tmp_path / "gone"))

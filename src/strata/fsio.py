@@ -20,12 +20,12 @@ import stat as st
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from strata import localfile
 from strata.engine.errors import InvalidInput, NotFound
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.names import MAX_NAME, MAX_PATH, check_name
 from strata.engine.objects import (
     FILENODE,
-    INLINE_MAX,
     K_BLK,
     K_CHR,
     K_DIR,
@@ -33,21 +33,16 @@ from strata.engine.objects import (
     K_FILE,
     K_SOCK,
     K_SYMLINK,
-    ZERO_ID,
     Entry,
     FileNode,
-    object_id,
+    link_group,
 )
 from strata.engine.tree import NodeCache, Trees, decode_name
 from strata.engine.txn import ContentWriter
 
 Progress = Callable[[int, int], None]
-XAttrs = tuple[tuple[bytes, bytes], ...]
-
-_KIND_OF_FMT = {st.S_IFREG: K_FILE, st.S_IFDIR: K_DIR, st.S_IFLNK: K_SYMLINK,
-                st.S_IFIFO: K_FIFO, st.S_IFCHR: K_CHR, st.S_IFBLK: K_BLK,
-                st.S_IFSOCK: K_SOCK}
-_NO_XATTRS = (errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENODATA, errno.EPERM, errno.EACCES)
+# A target that refuses an xattr (no support, or a namespace only root may set) is reported.
+_UNSETTABLE_XATTR = (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES)
 _PROGRESS_EVERY = 256
 
 
@@ -56,33 +51,12 @@ _PROGRESS_EVERY = 256
 
 @dataclass(slots=True)
 class _Local:
-    """One scanned path: its lstat, kind, xattrs and (for symlinks) target."""
+    """One scanned path: its lstat and kind."""
 
     rel: str
     abs: str
     st: os.stat_result
     kind: int
-    xattrs: XAttrs
-    target: bytes | None = None
-
-
-def _read_xattrs(path: str) -> XAttrs:
-    try:
-        names = os.listxattr(path, follow_symlinks=False)
-    except OSError as exc:
-        if exc.errno in _NO_XATTRS:
-            return ()
-        raise
-    if not names:
-        return ()
-    out = []
-    for name in names:
-        try:
-            out.append((os.fsencode(name), os.getxattr(path, name, follow_symlinks=False)))
-        except OSError as exc:
-            if exc.errno not in _NO_XATTRS:
-                raise
-    return tuple(sorted(out))
 
 
 def _scan(root: str) -> Iterator[_Local]:
@@ -98,25 +72,12 @@ def _scan(root: str) -> Iterator[_Local]:
                 raise InvalidInput(f"cannot import {d.path!r}: name or path too long for a volume "
                                    f"({MAX_NAME}-byte names, {MAX_PATH}-byte paths)")
             s = d.stat(follow_symlinks=False)
-            kind = _KIND_OF_FMT.get(st.S_IFMT(s.st_mode))
+            kind = localfile.kind_of(s.st_mode)
             if kind is None:
                 raise InvalidInput(f"cannot import {d.path!r}: unknown file type")
-            target = os.fsencode(os.readlink(d.path)) if kind == K_SYMLINK else None
-            yield _Local(rel, d.path, s, kind, _read_xattrs(d.path), target)
+            yield _Local(rel, d.path, s, kind)
             if kind == K_DIR:
                 stack.append((rel, d.path))
-
-
-def _entry(loc: _Local, *, size: int = 0, ref: bytes | None = None, data: bytes | None = None,
-           ino: int = 0, nlink: int = 1) -> Entry:
-    """The entry for a scanned path; file content and link group come from the caller."""
-    # Built in one call: dataclasses.replace() was a third of a 20k-file import.
-    s = loc.st
-    if loc.kind == K_SYMLINK:
-        data = loc.target or b""
-        size = len(data)
-    return Entry(loc.kind, st.S_IMODE(s.st_mode), s.st_uid, s.st_gid, s.st_mtime_ns, size, ref,
-                 data, s.st_rdev if loc.kind in (K_CHR, K_BLK) else 0, loc.xattrs, ino, nlink)
 
 
 def _quick_same(loc: _Local, base: Entry | None) -> bool:
@@ -125,28 +86,13 @@ def _quick_same(loc: _Local, base: Entry | None) -> bool:
             and base.mtime_ns == loc.st.st_mtime_ns)
 
 
-def _read_file(cw: ContentWriter, path: str) -> tuple[int, bytes | None, bytes | None]:
-    """Read a file in block-sized pieces into `cw`: (size read, file node id, inline data)."""
-    bs = cw.block_size
-    blocks: list[bytes] = []
-    buf = bytearray()
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        while chunk := os.read(fd, bs):
-            buf += chunk
-            if len(buf) >= bs:
-                blocks.append(cw.block(bytes(buf[:bs])))
-                del buf[:bs]
-    finally:
-        os.close(fd)
-    size = len(blocks) * bs + len(buf)
-    if size <= INLINE_MAX:
-        data = b"".join(cw.read_block(b, bs) for b in blocks) + bytes(buf)
-        return size, None, data
-    if buf:
-        blocks.append(cw.block(bytes(buf)))
-    node = FileNode(size=size, block_size=bs, blocks=tuple(blocks))
-    return size, cw.add(FILENODE, node.encode()), None
+def _read_file(cw: ContentWriter, loc: _Local) -> tuple[bytes | None, bytes | None]:
+    """Read a file's content into `cw`: (file node id, inline data)."""
+    content = localfile.file_content(loc.abs, loc.st.st_size, cw.block_size,
+                                     lambda _off, data: cw.block(data))
+    if isinstance(content, FileNode):
+        return cw.add(FILENODE, content.encode()), None
+    return None, content
 
 
 def import_dir(store: Store, volume: str, branch: str, src_dir: str, *,
@@ -209,8 +155,7 @@ def import_dir(store: Store, volume: str, branch: str, src_dir: str, *,
                 break
         if not ino:
             first = scanned[members[0]][0].rel
-            ino = int.from_bytes(object_id(0, b"import\0" + os.fsencode(first))[:6], "little")
-            ino |= 1
+            ino = link_group(b"import\0" + os.fsencode(first))
             while ino in used:
                 ino += 2
         used.add(ino)
@@ -218,9 +163,7 @@ def import_dir(store: Store, volume: str, branch: str, src_dir: str, *,
             ino_of[i] = (ino, len(members))
 
     # 3. Entries: read only files whose quick check fails.
-    root_meta = Entry(kind=K_DIR, mode=st.S_IMODE(root_stat.st_mode), uid=root_stat.st_uid,
-                      gid=root_stat.st_gid, mtime_ns=root_stat.st_mtime_ns,
-                      xattrs=_read_xattrs(src_dir))
+    root_meta = localfile.entry(src_dir, root_stat)
     if _dir_differs(root_meta, base_root):
         changes[""] = root_meta
     total = sum(1 for loc, _ in scanned if loc.kind != K_DIR)
@@ -228,13 +171,13 @@ def import_dir(store: Store, volume: str, branch: str, src_dir: str, *,
     linked: dict[int, Entry] = {}  # ino -> the group's entry, once built
     for i, (loc, b) in enumerate(scanned):
         if loc.kind == K_DIR:
-            meta = _entry(loc)
+            meta = localfile.entry(loc.abs, loc.st)
             if _dir_differs(meta, b):
                 changes[loc.rel] = meta
             continue
         done += 1
         if loc.kind != K_FILE:
-            new = _entry(loc)
+            new = localfile.entry(loc.abs, loc.st)
         else:
             ino, nlink = ino_of.get(i, (0, 1))
             hit = linked.get(ino) if ino else None
@@ -246,11 +189,12 @@ def import_dir(store: Store, volume: str, branch: str, src_dir: str, *,
                     src = next((scanned[j][1] for j in groups[(loc.st.st_dev, loc.st.st_ino)]
                                 if _quick_same(loc, scanned[j][1])), None)
                 if src is not None:
-                    new = _entry(loc, size=src.size, ref=src.ref, data=src.data, ino=ino,
-                                 nlink=nlink)
+                    new = localfile.entry(loc.abs, loc.st, size=src.size, ref=src.ref,
+                                          data=src.data, ino=ino, nlink=nlink)
                 else:
-                    size, ref, data = _read_file(cw, loc.abs)
-                    new = _entry(loc, size=size, ref=ref, data=data, ino=ino, nlink=nlink)
+                    ref, data = _read_file(cw, loc)
+                    new = localfile.entry(loc.abs, loc.st, size=loc.st.st_size, ref=ref,
+                                          data=data, ino=ino, nlink=nlink)
                 if ino:
                     linked[ino] = new
         if new != b:
@@ -291,15 +235,11 @@ def _write_content(fd: int, cw: ContentWriter, e: Entry) -> None:
             view = view[os.write(fd, view):]
         return
     node = FileNode.decode(cw.get_object(e.ref))
-    bs = node.block_size
-    for i, oid in enumerate(node.blocks):
-        length = min(bs, node.size - i * bs)
-        if length <= 0:
-            break
-        if oid == ZERO_ID:  # a hole stays a hole
+    for length, piece in node.pieces(0, node.size, cw.get_object):
+        if piece is None:  # a hole stays a hole
             os.lseek(fd, length, os.SEEK_CUR)
             continue
-        view = memoryview(cw.read_block(oid, length))
+        view = memoryview(piece)
         while view:
             view = view[os.write(fd, view):]
     os.ftruncate(fd, node.size)
@@ -342,7 +282,7 @@ class _Exporter:
             try:
                 os.setxattr(path, key, value, follow_symlinks=False)
             except OSError as exc:
-                if exc.errno not in _NO_XATTRS:
+                if exc.errno not in _UNSETTABLE_XATTR:
                     raise
                 self.report.skipped.append(
                     f"xattr {os.fsdecode(key)} on {rel} ({exc.strerror})")

@@ -182,3 +182,19 @@ def test_check_entry_accepts_ordinary_entries() -> None:
     check_entry(Entry(kind=K_FILE, size=10**6, ref=ZERO_ID))
     check_entry(Entry(kind=K_DIR, ref=EMPTY_TREE_ID))
     check_entry(Entry(kind=K_SYMLINK, size=3, data=b"a/b"))
+
+
+def test_file_node_reads_ranges_with_holes_and_short_blocks() -> None:
+    """The one range read behind transactions, the mount, export and cat."""
+    blocks = {b"A" * 32: b"aaa", b"C" * 32: b"cc"}  # a stored block may be short: zeros follow
+    node = FileNode(size=10, block_size=4, blocks=(b"A" * 32, ZERO_ID, b"C" * 32))
+    fetched: list[bytes] = []
+
+    def fetch(oid: bytes) -> bytes:
+        fetched.append(oid)
+        return blocks[oid]
+
+    assert node.read(0, 10, fetch) == b"aaa\0\0\0\0\0cc"
+    assert node.read(2, 9, fetch) == b"a\0\0\0\0\0c"
+    assert list(node.pieces(1, 10, fetch)) == [(3, b"aa\0"), (4, None), (2, b"cc")]
+    assert ZERO_ID not in fetched

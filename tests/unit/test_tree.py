@@ -240,3 +240,33 @@ def test_names_round_trip_bytes_that_are_not_utf8() -> None:
     raw = b"caf\xe9"
     assert encode_name(decode_name(raw)) == raw
     assert encode_name("é") == "é".encode()
+
+
+def test_resolve_changed_sees_what_apply_makes(shared_store: LocalStore) -> None:
+    """A transaction's and a mount's view before publishing equals the published tree."""
+    trees = Trees(shared_store)
+    root = tree_of(trees, {"a/b/c.txt": b"c", "a/d.txt": b"d", "top": b"t", "e/f/g/h": b"h"})
+    changes: dict[str, Entry | None] = {
+        "a": Entry(kind=K_DIR, mode=0o700, mtime_ns=5),  # merge: keeps b/ and d.txt
+        "a/new": fentry(1),
+        "e": dentry(),  # replaced by an empty directory
+        "e/x": fentry(2),
+        "top": Entry(kind=K_DIR, mode=0o750),  # a merge entry over a file: empty
+        "top/y": fentry(3),
+        "a/b": None,
+    }
+    parsed = [(tuple(p.split("/")), e) for p, e in sorted(changes.items())]
+    applied = trees.apply(root, parsed, merge_time=lambda _theirs, ours: ours)
+    paths = {p for p, _ in trees.walk(root)} | {p for p, _ in trees.walk(applied)}
+
+    def shown(e: Entry | None) -> Entry | None:  # a directory's ref holds no pending change
+        return e.with_(ref=None) if e is not None and e.kind == K_DIR else e
+
+    for p in sorted(paths | {"a/b/c.txt/below", "nope/x"}):
+        parts = p.split("/")
+        seen = trees.resolve_changed(root, changes, parts)
+        assert shown(seen) == shown(trees.resolve(applied, parts)), p
+    assert trees.resolve_changed(root, changes, ["a", "b"], skip_last=True) == trees.resolve(
+        root, ["a", "b"])
+    top = trees.resolve_changed(root, {"": dentry(mode=0o711)}, [])
+    assert top == root.with_(mode=0o711)

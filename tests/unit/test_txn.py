@@ -225,6 +225,16 @@ def test_hardlinks_share_content_and_count_links(store: LocalStore) -> None:
 
 # -- rename ------------------------------------------------------------------------
 
+
+def test_hardlink_of_a_name_that_is_not_utf8(store: LocalStore) -> None:
+    """POSIX names are bytes: the new group's number must not need them to be UTF-8."""
+    t = fresh(store)
+    t.write("caf\udce9", b"latin-1 name")
+    t.hardlink("caf\udce9", "other")
+    e = t.lookup("other")
+    assert e is not None and e.ino and e.nlink == 2
+    t.commit()
+
 def test_rename_file_and_over_an_existing_file(store: LocalStore) -> None:
     t = fresh(store)
     t.write("a", b"A")

@@ -20,7 +20,6 @@ from strata.cli.common import (
 from strata.engine.errors import InvalidInput
 from strata.engine.objects import K_DIR, K_FILE, FileNode
 from strata.engine.tree import Trees, decode_name
-from strata.engine.txn import ContentWriter
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -104,10 +103,9 @@ def cmd_cat(args: argparse.Namespace) -> int:
             out.write(e.data or b"")
         else:
             # Block by block, so a large file never sits in memory whole.
-            cw = ContentWriter(store)
             node = FileNode.decode(store.get_object(e.ref))
-            for i, oid in enumerate(node.blocks):
-                out.write(cw.read_block(oid, min(node.block_size, node.size - i * node.block_size)))
+            for length, data in node.pieces(0, node.size, store.get_object):
+                out.write(bytes(length) if data is None else data)
     out.flush()
     return 0
 

@@ -70,10 +70,7 @@ class _Resolver:
             n -= 1
         cur = self.memo[parts[:n]]
         for i in range(n, len(parts)):
-            if cur is not None and cur.kind == K_DIR and cur.ref is not None:
-                cur = self.trees.lookup(cur.ref, encode_name(parts[i]))
-            else:
-                cur = None
+            cur = self.trees.child(cur, encode_name(parts[i]))
             self.memo[parts[:i + 1]] = cur
         return cur
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import stat as statmod
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -131,6 +132,15 @@ class Entry:
         return e
 
 
+def link_group(seed: bytes) -> int:
+    """A number for a new hard-link group (Entry.ino): 48 bits of a hash, odd so never 0.
+
+    Each caller picks a seed that makes its numbers stable where it needs
+    them to be (import: the group's first path, so re-imports agree).
+    """
+    return int.from_bytes(object_id(0, seed)[:6], "little") | 1
+
+
 def dir_entry(mode: int = 0o755, *, ref: bytes | None = None, uid: int = 0, gid: int = 0,
               mtime_ns: int = 0) -> Entry:
     return Entry(kind=K_DIR, mode=mode, uid=uid, gid=gid, mtime_ns=mtime_ns, ref=ref)
@@ -153,6 +163,33 @@ class FileNode:
         if not isinstance(v, list) or len(v) != 4 or v[0] != 1:
             raise ValueError("malformed file node")
         return cls(size=int(v[1]), block_size=int(v[2]), blocks=tuple(bytes(b) for b in v[3]))
+
+    def pieces(self, offset: int, end: int, fetch: Callable[[bytes], bytes]
+               ) -> Iterator[tuple[int, bytes | None]]:
+        """(length, bytes) for each block's share of bytes [offset, end); None for a hole.
+
+        Holes are never fetched, so a caller may keep them holes (export) or
+        read them as zeros. `fetch` returns a stored block by id.
+        """
+        bs = self.block_size
+        for i in range(offset // bs, (end - 1) // bs + 1):
+            lo = max(offset - i * bs, 0)
+            hi = min(end - i * bs, bs)
+            oid = self.blocks[i]
+            if oid == ZERO_ID:
+                yield hi - lo, None
+            else:
+                yield hi - lo, fit_block(fetch(oid), min(bs, self.size - i * bs))[lo:hi]
+
+    def read(self, offset: int, end: int, fetch: Callable[[bytes], bytes]) -> bytes:
+        """Bytes [offset, end) of the file, holes as zeros."""
+        return b"".join(bytes(n) if data is None else data
+                        for n, data in self.pieces(offset, end, fetch))
+
+
+def fit_block(raw: bytes, length: int) -> bytes:
+    """A stored block as `length` bytes of its file: zero-padded or cut."""
+    return raw + bytes(length - len(raw)) if len(raw) < length else raw[:length]
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import bisect
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from strata.engine.errors import InvalidInput, NotFound
@@ -148,13 +148,44 @@ class Trees:
             out.extend(self.leaves(child))
         return out
 
+    def child(self, d: Entry | None, name: bytes) -> Entry | None:
+        """The entry `name` in directory `d`; None if it is missing or `d` is no directory."""
+        if d is None or d.kind != K_DIR or d.ref is None:
+            return None
+        return self.lookup(d.ref, name)
+
     def resolve(self, root: Entry, parts: Sequence[str]) -> Entry | None:
         """The entry at `parts` below `root`, or None if any component is missing."""
         cur: Entry | None = root
         for part in parts:
-            if cur is None or cur.kind != K_DIR or cur.ref is None:
+            cur = self.child(cur, encode_name(part))
+        return cur
+
+    def resolve_changed(self, root: Entry, changes: Mapping[str, Entry | None],
+                        parts: Sequence[str], *, skip_last: bool = False) -> Entry | None:
+        """The entry at `parts` once `changes` (path -> final entry) apply to `root`.
+
+        What a transaction, or a mount's commit, sees before it publishes: the
+        rules of `apply` and `rebase`, one path at a time. The root's change
+        sets attributes only; a directory change with `ref` None keeps the
+        contents of the directory it covers (none if it covers something
+        else). `skip_last` ignores the change to the path itself and answers
+        what is underneath it.
+        """
+        top = changes.get("")
+        cur: Entry | None = root if top is None else top.with_(ref=root.ref)
+        for i, name in enumerate(parts):
+            if cur is None or cur.kind != K_DIR:
                 return None
-            cur = self.lookup(cur.ref, encode_name(part))
+            under = self.child(cur, encode_name(name))
+            key = "/".join(parts[:i + 1])
+            if key not in changes or (skip_last and i == len(parts) - 1):
+                cur = under
+                continue
+            cur = changes[key]
+            if cur is not None and cur.kind == K_DIR and cur.ref is None:
+                cur = cur.with_(ref=under.ref if under is not None and under.kind == K_DIR
+                                else EMPTY_TREE_ID)
         return cur
 
     def walk(self, root: Entry, prefix: str = "") -> Iterator[tuple[str, Entry]]:

@@ -27,6 +27,8 @@ from strata.engine.objects import (
     ZERO_ID,
     Entry,
     FileNode,
+    fit_block,
+    link_group,
     object_id,
 )
 from strata.engine.tree import NodeCache, Trees, decode_name, encode_name
@@ -111,8 +113,7 @@ class ContentWriter:
     def read_block(self, oid: bytes, length: int) -> bytes:
         if oid == ZERO_ID:
             return bytes(length)
-        raw = self.get_object(oid)
-        return raw + bytes(length - len(raw)) if len(raw) < length else raw[:length]
+        return fit_block(self.get_object(oid), length)
 
     def blocks_of(self, e: Entry) -> tuple[list[bytes], int]:
         """A file's block ids (re-cut to this writer's block size) and its size."""
@@ -138,24 +139,15 @@ class ContentWriter:
             return (e.data or b"")[offset:end]
         node = FileNode.decode(self.get_object(e.ref))
         bs = node.block_size
-        out = []
-        span = range(offset // bs, (end - 1) // bs + 1)
-        wanted = [node.blocks[i] for i in span
-                  if node.blocks[i] != ZERO_ID and node.blocks[i] not in self.pending]
+        span = node.blocks[offset // bs:(end - 1) // bs + 1]
+        wanted = [b for b in span if b != ZERO_ID and b not in self.pending]
         fetched = dict(zip(wanted, self.store.get_objects(wanted), strict=True)) if (
             len(wanted) > 1) else {}
-        for i in span:
-            oid = node.blocks[i]
-            length = min(bs, node.size - i * bs)
-            if oid in fetched:
-                raw = fetched[oid]
-                blk = raw + bytes(length - len(raw)) if len(raw) < length else raw[:length]
-            else:
-                blk = self.read_block(oid, length)
-            lo = max(offset - i * bs, 0)
-            hi = min(end - i * bs, bs)
-            out.append(blk[lo:hi])
-        return b"".join(out)
+
+        def fetch(oid: bytes) -> bytes:
+            return fetched[oid] if oid in fetched else self.get_object(oid)
+
+        return node.read(offset, end, fetch)
 
     def splice(self, e: Entry, offset: int, data: bytes | None, new_size: int | None = None
                ) -> Entry:
@@ -223,26 +215,9 @@ class Transaction:
         for k in [k for k in self._children if k == key or k.startswith(prefix)]:
             del self._children[k]
 
-    def _root(self) -> Entry:
-        e = self.changes.get("")
-        return self.base_root if e is None else e.with_(ref=self.base_root.ref)
-
     def _resolve(self, parts: tuple[str, ...], *, skip_last: bool = False) -> Entry | None:
-        cur: Entry | None = self._root()
-        for i, name in enumerate(parts):
-            if cur is None or cur.kind != K_DIR:
-                return None
-            under = self.trees.lookup(cur.ref, encode_name(name)) if cur.ref else None
-            key = "/".join(parts[:i + 1])
-            if key in self.changes and not (skip_last and i == len(parts) - 1):
-                e = self.changes[key]
-                if e is not None and e.kind == K_DIR and e.ref is None:
-                    e = e.with_(ref=under.ref if under is not None and under.kind == K_DIR
-                                else EMPTY_TREE_ID)
-                cur = e
-            else:
-                cur = under
-        return cur
+        return self.trees.resolve_changed(self.base_root, self.changes, parts,
+                                          skip_last=skip_last)
 
     def lookup(self, path: str) -> Entry | None:
         """The entry at `path` as this transaction sees it, or None."""
@@ -399,8 +374,7 @@ class Transaction:
         self._need_dir_parent(parts)
         if self._resolve(parts) is not None:
             raise AlreadyExists(f"{dst!r} already exists")
-        ino = e.ino or int.from_bytes(object_id(0, f"{src}\0{time.time_ns()}".encode())[:6],
-                                      "little") | 1
+        ino = e.ino or link_group(encode_name(f"{src}\0{time.time_ns()}"))
         members = [p for p, _ in self._group(e.ino)] if e.ino else [src]
         new = e.with_(ino=ino, nlink=len(members) + 1)
         for p in members:

@@ -15,36 +15,31 @@ so only changed blocks need uploading.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import stat as statmod
 import subprocess
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from strata.engine.errors import InvalidInput, StrataError, Unavailable
+from strata import localfile
+from strata.engine.errors import StrataError, Unavailable
 from strata.engine.objects import (
     BLOCK,
     EMPTY_TREE_ID,
     FILENODE,
-    INLINE_MAX,
-    K_BLK,
-    K_CHR,
     K_DIR,
     K_FIFO,
     K_FILE,
-    K_SOCK,
-    K_SYMLINK,
-    ZERO_ID,
     Entry,
     FileNode,
+    link_group,
     object_id,
 )
 from strata.engine.tree import Trees, encode_name
 
-OPAQUE = "trusted.overlay.opaque"
-REDIRECT = "trusted.overlay.redirect"
-OVERLAY_PREFIX = b"trusted.overlay."
+OVERLAY_PREFIX = b"trusted.overlay."  # overlayfs' own markers, never published
+OPAQUE = OVERLAY_PREFIX + b"opaque"
+REDIRECT = OVERLAY_PREFIX + b"redirect"
 OVERLAY_OPTIONS = "redirect_dir=on,index=off,metacopy=off,xino=off"
 
 
@@ -175,31 +170,6 @@ def _is_whiteout(st: os.stat_result) -> bool:
     return statmod.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
-def _xattr(path: str, name: str) -> bytes | None:
-    try:
-        return os.getxattr(path, name, follow_symlinks=False)
-    except OSError as exc:
-        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
-            return None
-        raise
-
-
-def _user_xattrs(path: str) -> tuple[tuple[bytes, bytes], ...]:
-    out = []
-    try:
-        names = os.listxattr(path, follow_symlinks=False)
-    except OSError:
-        return ()
-    for n in names:
-        b = n.encode("utf-8", "surrogateescape")
-        if b.startswith(OVERLAY_PREFIX):
-            continue
-        v = _xattr(path, n)
-        if v is not None:
-            out.append((b, v))
-    return tuple(sorted(out))
-
-
 class UpperScanner:
     """Reads an overlay upper directory against the lower snapshot's tree.
 
@@ -223,15 +193,13 @@ class UpperScanner:
         touched: set[int] = set()  # link groups of the snapshot the upper layer changed
         redirects: list[tuple[str, tuple[str, ...]]] = []  # (path, lower source)
         self._walk(upper, "", self.lower_root, (), out, links, touched, redirects)
-        st = os.stat(upper)  # the upper root is the mount's root (see _adopt_root)
-        root = Entry(kind=K_DIR, mode=statmod.S_IMODE(st.st_mode), uid=st.st_uid,
-                     gid=st.st_gid, mtime_ns=st.st_mtime_ns, xattrs=_user_xattrs(upper))
+        # The upper root is the mount's root (see _adopt_root).
+        root = localfile.entry(upper, os.lstat(upper), exclude=OVERLAY_PREFIX)
         if root.attrs() != self.lower_root.attrs() or root.mtime_ns != self.lower_root.mtime_ns:
             out.changes[""] = root  # path "" is the root: attributes only
         for paths in links.values():  # hard links made inside the mount
             if len(paths) > 1:
-                digest = object_id(0, "\0".join(sorted(paths)).encode("utf-8", "surrogateescape"))
-                group = int.from_bytes(digest[:6], "little") | 1
+                group = link_group(encode_name("\0".join(sorted(paths))))
                 for p in paths:
                     e = out.changes.get(p)
                     if e is not None:
@@ -254,11 +222,6 @@ class UpperScanner:
                 if new != e:
                     out.changes[p] = new
 
-    def _lower_child(self, lower_dir: Entry | None, name: str) -> Entry | None:
-        if lower_dir is None or lower_dir.kind != K_DIR or lower_dir.ref is None:
-            return None
-        return self.trees.lookup(lower_dir.ref, encode_name(name))
-
     def _walk(self, real: str, prefix: str, lower_dir: Entry | None,
               lower_parts: tuple[str, ...] | None, out: Scan, links: dict[int, list[str]],
               touched: set[int], redirects: list[tuple[str, tuple[str, ...]]]) -> None:
@@ -267,7 +230,7 @@ class UpperScanner:
         for d in items:
             path = f"{prefix}/{d.name}" if prefix else d.name
             st = d.stat(follow_symlinks=False)
-            lower = self._lower_child(lower_dir, d.name)
+            lower = self.trees.child(lower_dir, encode_name(d.name))
             if lower is not None and lower.kind == K_FILE and lower.ino:
                 touched.add(lower.ino)
             if _is_whiteout(st):
@@ -292,10 +255,9 @@ class UpperScanner:
              lower_parent_parts: tuple[str, ...] | None, lower_parts: tuple[str, ...] | None,
              out: Scan, links: dict[int, list[str]],
              touched: set[int], redirects: list[tuple[str, tuple[str, ...]]]) -> None:
-        attrs = dict(mode=statmod.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
-                     mtime_ns=st.st_mtime_ns, xattrs=_user_xattrs(real))
-        opaque = _xattr(real, OPAQUE) == b"y"
-        redirect = _xattr(real, REDIRECT)
+        mine = localfile.entry(real, st, exclude=OVERLAY_PREFIX)
+        opaque = localfile.read_xattr(real, OPAQUE) == b"y"
+        redirect = localfile.read_xattr(real, REDIRECT)
         if redirect is not None:
             target = redirect.decode("utf-8", "surrogateescape")
             if target.startswith("/"):
@@ -309,7 +271,7 @@ class UpperScanner:
             src = self.trees.resolve(self.lower_root, parts)
             src_dir = src if src is not None and src.kind == K_DIR else None
             base_ref = src_dir.ref if src_dir is not None else EMPTY_TREE_ID
-            out.changes[path] = Entry(kind=K_DIR, ref=base_ref, **attrs)  # type: ignore[arg-type]
+            out.changes[path] = mine.with_(ref=base_ref)
             if src_dir is not None:
                 redirects.append((path, parts))
             self._walk(real, path, src_dir, parts if src_dir is not None else None, out, links,
@@ -319,81 +281,49 @@ class UpperScanner:
             if lower is not None and lower.kind == K_DIR:
                 # Opaque over a lower directory: replace it with an empty one, then
                 # add what the upper holds.
-                out.changes[path] = Entry(kind=K_DIR, ref=EMPTY_TREE_ID, **attrs)  # type: ignore[arg-type]
+                out.changes[path] = mine.with_(ref=EMPTY_TREE_ID)
             else:
-                out.changes[path] = Entry(kind=K_DIR, **attrs)  # type: ignore[arg-type]
+                out.changes[path] = mine
             self._walk(real, path, None, None, out, links, touched, redirects)
             return
-        mine = Entry(kind=K_DIR, **attrs)  # type: ignore[arg-type]
         if mine.attrs() != lower.attrs() or mine.mtime_ns != lower.mtime_ns:
             out.changes[path] = mine  # merge directory: attributes only
         self._walk(real, path, lower, lower_parts, out, links, touched, redirects)
 
     def _leaf(self, real: str, st: os.stat_result, lower: Entry | None, out: Scan,
               keep: bool = False) -> Entry | None:
-        mode = st.st_mode
-        base = dict(mode=statmod.S_IMODE(mode), uid=st.st_uid, gid=st.st_gid,
-                    mtime_ns=st.st_mtime_ns, xattrs=_user_xattrs(real))
-        if statmod.S_ISLNK(mode):
-            target = os.readlink(real).encode("utf-8", "surrogateescape")
-            return Entry(kind=K_SYMLINK, size=len(target), data=target,
-                         **{**base, "mode": 0o777})  # type: ignore[arg-type]
-        if statmod.S_ISFIFO(mode):
-            return Entry(kind=K_FIFO, **base)  # type: ignore[arg-type]
-        if statmod.S_ISSOCK(mode):
-            return Entry(kind=K_SOCK, **base)  # type: ignore[arg-type]
-        if statmod.S_ISCHR(mode) or statmod.S_ISBLK(mode):
-            return Entry(kind=K_CHR if statmod.S_ISCHR(mode) else K_BLK, rdev=st.st_rdev,
-                         **base)  # type: ignore[arg-type]
-        if not statmod.S_ISREG(mode):
-            raise InvalidInput(f"unsupported file type at {real}")
-        return self._file(real, st, lower, base, out, keep)
-
-    def _file(self, real: str, st: os.stat_result, lower: Entry | None, base: dict[str, object],
-              out: Scan, keep: bool = False) -> Entry | None:
-        """A file's entry (None when it equals `lower` and `keep` is not set)."""
+        """A non-directory's entry (None for a file equal to `lower`, unless `keep`)."""
+        if not statmod.S_ISREG(st.st_mode):
+            return localfile.entry(real, st, exclude=OVERLAY_PREFIX)
         size = st.st_size
         out.files_hashed += 1
         out.bytes_hashed += size
-        if size <= INLINE_MAX:
-            with open(real, "rb") as f:
-                data = f.read()
-            e = Entry(kind=K_FILE, size=len(data), data=data, **base)  # type: ignore[arg-type]
-            return None if _same_file(e, lower) and not keep else e
         bs = self.block_size
-        blocks: list[bytes] = []
         new: dict[bytes, tuple[int, bytes | None]] = {}  # id -> offset, bytes if held
         holding = 0
-        fd = os.open(real, os.O_RDONLY)
-        try:
-            # Holes are never read: a sparse 5 GiB file with a few bytes of data costs
-            # a few reads, not 5 GiB of zeros.
-            data_blocks = _data_blocks(fd, size, bs)
-            for i in range((size + bs - 1) // bs):
-                if data_blocks is not None and i not in data_blocks:
-                    blocks.append(ZERO_ID)
-                    continue
-                data = os.pread(fd, bs, i * bs)
-                if data == bytes(len(data)):
-                    blocks.append(ZERO_ID)
-                    continue
-                oid = object_id(BLOCK, data)
-                blocks.append(oid)
-                if oid not in new:
-                    held = out.objects.held_bytes + holding + len(data) <= HELD_BYTES
-                    new[oid] = (i * bs, data if held else None)
-                    holding += len(data) if held else 0
-        finally:
-            os.close(fd)
+
+        def put(offset: int, data: bytes) -> bytes:
+            nonlocal holding
+            oid = object_id(BLOCK, data)
+            if oid not in new:
+                held = out.objects.held_bytes + holding + len(data) <= HELD_BYTES
+                new[oid] = (offset, data if held else None)
+                holding += len(data) if held else 0
+            return oid
+
+        content = localfile.file_content(real, size, bs, put)
+        if not isinstance(content, FileNode):
+            e = localfile.entry(real, st, exclude=OVERLAY_PREFIX, size=size, data=content)
+            return None if _same_file(e, lower) and not keep else e
+        node = content.encode()
+        ref = object_id(FILENODE, node)
+        e = localfile.entry(real, st, exclude=OVERLAY_PREFIX, size=size, ref=ref)
+        if _same_file(e, lower) and not keep:
+            return None
         lower_blocks: set[bytes] = set()
         if lower is not None and lower.kind == K_FILE and lower.ref is not None:
             with contextlib.suppress(StrataError, ValueError):
                 lower_blocks = set(FileNode.decode(self.trees.source.get_object(lower.ref)).blocks)
-        node = FileNode(size=size, block_size=bs, blocks=tuple(blocks)).encode()
-        ref = object_id(FILENODE, node)
-        e = Entry(kind=K_FILE, size=size, ref=ref, **base)  # type: ignore[arg-type]
-        if _same_file(e, lower) and not keep:
-            return None
         for oid, (offset, kept) in new.items():
             if oid in lower_blocks:
                 continue
@@ -403,25 +333,6 @@ class UpperScanner:
                 out.objects.put_block(oid, real, offset, min(bs, size - offset))
         out.objects.put(ref, FILENODE, node)
         return e
-
-
-def _data_blocks(fd: int, size: int, bs: int) -> set[int] | None:
-    """Indexes of the blocks that hold data (None when the filesystem cannot tell)."""
-    out: set[int] = set()
-    off = 0
-    while off < size:
-        try:
-            start = os.lseek(fd, off, os.SEEK_DATA)
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:
-                break  # only a hole from here to the end
-            return None
-        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
-        if end <= start:
-            break
-        out.update(range(start // bs, (end - 1) // bs + 1))
-        off = end
-    return out
 
 
 def _final_paths(lower_path: str, changes: dict[str, Entry | None],

@@ -26,7 +26,7 @@ import blake3
 from strata.engine.errors import NotFound
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.objects import K_DIR, Entry, FileNode, packb
-from strata.engine.tree import Trees
+from strata.engine.tree import Trees, encode_name
 from strata.mount.overlay import (
     MountError,
     ObjectSet,
@@ -220,24 +220,20 @@ def _seen_without_change(trees: Trees, root: Entry, changes: dict[str, Entry | N
                          path: str) -> tuple[bool, Entry | None]:
     """What the mount shows at `path` when the scan has no change for it.
 
-    (False, None) below a deleted path or a non-directory: a change set may
-    not name such a path. Below a directory the scan replaced (opaque, or
-    redirected from elsewhere), what that directory's tree holds; otherwise
-    what the pinned snapshot holds.
+    (False, None) when its parent is no directory in that view (deleted, or
+    made a file): a change set may not name such a path. Below a directory
+    the scan replaced (opaque, or redirected from elsewhere), what that
+    directory's tree holds; otherwise what the pinned snapshot holds.
     """
-    parts = path.split("/") if path else []  # "" is the root
-    for i in range(len(parts) - 1, 0, -1):
-        anc = changes.get("/".join(parts[:i]), _NO_CHANGE)
-        if anc is _NO_CHANGE:
-            continue
-        if anc is None or anc.kind != K_DIR:
-            return False, None
-        if anc.ref is not None:
-            return True, trees.resolve(anc, parts[i:])
-    return True, trees.resolve(root, parts)
+    if not path:
+        return True, root
+    parts = path.split("/")
+    parent = trees.resolve_changed(root, changes, parts[:-1])
+    if parent is None or parent.kind != K_DIR:
+        return False, None
+    return True, trees.child(parent, encode_name(parts[-1]))
 
 
-_NO_CHANGE = Entry(kind=K_DIR, mode=0)
 
 
 @dataclass

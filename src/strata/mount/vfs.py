@@ -252,18 +252,5 @@ class SnapshotFS:
         first, last = offset // bs, (end - 1) // bs
         if e.size > self.large_file:
             self._read_ahead(ino, fnode, first, last, src.store)
-        out = []
-        for i in range(first, last + 1):
-            length = min(bs, fnode.size - i * bs)
-            oid = fnode.blocks[i]
-            if oid == ZERO_ID:
-                blk = bytes(length)
-            else:
-                blk = self.cache.get(oid, src.store.get_object, (BLOCK,))
-                if len(blk) < length:
-                    blk += bytes(length - len(blk))
-            lo = max(offset - i * bs, 0)
-            hi = min(end - i * bs, bs)
-            out.append(blk[lo:hi])
-        return b"".join(out)
-
+        return fnode.read(offset, end,
+                          lambda oid: self.cache.get(oid, src.store.get_object, (BLOCK,)))

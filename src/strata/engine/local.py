@@ -13,15 +13,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import fcntl
 import hmac
-import json
 import os
 import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import blake3
@@ -45,7 +42,6 @@ from strata.engine.index import Index
 from strata.engine.interface import ChangeSet, Lease, SnapshotInfo, Store
 from strata.engine.names import check_branch, check_hex_id, check_volume
 from strata.engine.objects import (
-    DEFAULT_BLOCK_SIZE,
     EMPTY_SNAPSHOT_ID,
     EMPTY_SNAPSHOT_RAW,
     EMPTY_TREE,
@@ -67,117 +63,25 @@ from strata.engine.objects import (
     unpackb,
 )
 from strata.engine.reach import Reach, volume_key
+from strata.engine.storedir import (
+    StoreConfig,
+    StoreLock,
+    init_store,
+    make_private,
+    read_store_meta,
+)
+from strata.engine.storedir import fsync_dir as _fsync_dir
 from strata.engine.tree import NodeCache, Trees
 
-STORE_MAGIC = "strata-store"
+__all__ = ["MAX_OBJECT", "LocalStore", "StoreConfig", "init_store", "read_store_meta"]
+
 # The largest object: a file node naming 128 GiB of 64 KiB blocks. Every record's
 # length is checked against the pack payload limit when it is written, never
 # discovered on a scan.
 MAX_OBJECT = packfmt.MAX_PAYLOAD - packfmt.OBJ_HEAD_SIZE
 GROUP_COMMIT_LINGER = 0.001  # seconds a sync leader waits for in-flight publishes
-STORE_VERSION = 1
 Pos = tuple[int, int]
 Loc = tuple[int, int, int, int]
-
-
-@dataclass(frozen=True, slots=True)
-class StoreConfig:
-    pack_size_limit: int = 256 * 1024 * 1024
-    pack_age_limit: float = 30.0
-    block_size: int = DEFAULT_BLOCK_SIZE
-    compress: bool = True
-    lock_timeout: float = 30.0
-    index_interval: float = 0.05
-
-
-def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
-               pack_size_limit: int | None = None, pack_age_limit: float | None = None) -> None:
-    """Create an empty store directory (idempotent on an existing store)."""
-    if not 4096 <= block_size <= 16 * 1024 * 1024:
-        raise InvalidInput("block size must be between 4 KiB and 16 MiB")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    meta = os.path.join(path, "STRATA")
-    if os.path.exists(meta):
-        read_store_meta(path)
-        return
-    os.chmod(path, 0o700)  # the store is its owner's alone: data, tokens, socket
-    os.makedirs(os.path.join(path, "packs"), mode=0o700, exist_ok=True)
-    settings: dict[str, Any] = {"version": STORE_VERSION, "id": uuid.uuid4().hex,
-                                "block_size": block_size}
-    if pack_size_limit is not None:
-        if pack_size_limit < 1024 * 1024:
-            raise InvalidInput("pack size limit must be at least 1 MiB")
-        settings["pack_size_limit"] = pack_size_limit
-    if pack_age_limit is not None:
-        if pack_age_limit <= 0:
-            raise InvalidInput("pack age limit must be positive")
-        settings["pack_age_limit"] = pack_age_limit
-    body = json.dumps(settings, sort_keys=True)
-    tmp = meta + ".tmp"
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(f"{STORE_MAGIC} {STORE_VERSION}\n{body}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, meta)
-    _fsync_dir(path)
-
-
-def read_store_meta(path: str) -> dict[str, Any]:
-    meta = os.path.join(path, "STRATA")
-    try:
-        with open(meta) as f:
-            first = f.readline().split()
-            body = f.read()
-    except FileNotFoundError as exc:
-        raise NotFound(f"no strata store at {path} (run 'strata init')") from exc
-    if len(first) != 2 or first[0] != STORE_MAGIC:
-        raise Corrupt("STRATA", 0, "not a strata store file")
-    if int(first[1]) != STORE_VERSION:
-        raise InvalidInput(f"store format version {first[1]} is not supported")
-    return dict(json.loads(body))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class StoreLock:
-    """An exclusive flock on the store, waiting a bounded time for another owner."""
-
-    def __init__(self, path: str, timeout: float) -> None:
-        self.path = os.path.join(path, "lock")
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    owner = self.owner()
-                    os.close(self.fd)
-                    raise Unavailable(
-                        f"store {path} is in use by {owner}; waited {timeout:g}s for it") from None
-                time.sleep(0.02)
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
-
-    def owner(self) -> str:
-        try:
-            pid = os.pread(self.fd, 32, 0).decode().strip()
-        except OSError:
-            pid = ""
-        return f"process {pid}" if pid else "another process"
-
-    def release(self) -> None:
-        if self.fd >= 0:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = -1
 
 
 class LocalStore(Store):
@@ -199,9 +103,7 @@ class LocalStore(Store):
         self.packs_dir = os.path.join(self.path, "packs")
         self.index_dir = os.path.join(self.path, "index")
         for d in (self.path, self.packs_dir):  # stores made before 0700 was the rule
-            with contextlib.suppress(OSError):
-                if os.stat(d).st_mode & 0o077:
-                    os.chmod(d, 0o700)
+            make_private(d)
         self.node_cache = NodeCache()
         self._snap_cache: dict[str, SnapshotInfo] = {}
         self.stats = {"fsyncs": 0, "commits": 0, "objects_written": 0, "bytes_written": 0}

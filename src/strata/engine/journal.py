@@ -5,7 +5,7 @@ lock (`append_lock`); `wait_durable` makes them durable with a leader/follower
 fdatasync that many publishes share (docs/design.md, "Group commit"), and
 only then moves their ops into the refs readers see. A pack past its size or
 age limit is sealed and the next one started. The order these steps follow is
-docs/design.md's crash-safety rules 1, 2, 7 and 8; keep the two in step.
+docs/design.md's crash-safety rules 1 to 3, 7 and 8; keep the two in step.
 
 The journal reaches pack bytes only through a `PackStore`, and tells the
 `Indexer` about every record it appended and `Refs` about every commit.

@@ -14,7 +14,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import zstandard
@@ -48,6 +48,12 @@ F_ZSTD = 1
 
 OBJ_HEAD = struct.Struct("<B32sI")  # kind, id, raw length
 OBJ_HEAD_SIZE = OBJ_HEAD.size  # 37
+
+# Reads `length` bytes at `offset` of one pack (short at its end), as os.pread does:
+# how the functions below read a pack wherever its bytes live (engine/packstore.py).
+ReadAt = Callable[[int, int], bytes]
+# A whole pack's bytes for a scan: a memory map of a local file, or a copy.
+Buffer = bytes | mmap.mmap
 
 _local = threading.local()  # zstd contexts are not thread-safe: one pair per thread
 
@@ -96,14 +102,14 @@ def encode_object(kind: int, oid: bytes, raw: bytes, compress: bool) -> bytes:
     return encode_frame(R_OBJECT, OBJ_HEAD.pack(kind, oid, len(raw)) + body, flags)
 
 
-def peek_object_size(fd: int, offset: int, sync: bytes) -> int:
+def peek_object_size(read: ReadAt, offset: int, sync: bytes) -> int:
     """The raw size an object frame's header claims, without reading the body.
 
     Unverified (the CRC covers the whole payload): good for planning memory,
     never for trusting bytes; capped at what a valid object can be.
     """
     at = len(sync) + REST.size
-    head = os.pread(fd, at + OBJ_HEAD_SIZE, offset)
+    head = read(at + OBJ_HEAD_SIZE, offset)
     if len(head) < at + OBJ_HEAD_SIZE:
         return MAX_PAYLOAD
     return min(int(OBJ_HEAD.unpack_from(head, at)[2]), MAX_PAYLOAD)
@@ -198,29 +204,36 @@ def new_sync() -> bytes:
 
 
 def is_sealed(path: str) -> bool:
-    """True if the pack's last record is a valid seal record."""
+    """True if the pack file's last record is a valid seal record."""
     with open(path, "rb") as f:
-        try:
-            info = read_header(f.read(HEADER_SIZE), os.path.basename(path))
-        except Corrupt:
-            return False
-        seal_size = info.frame_overhead + SEAL_PAYLOAD.size
         size = f.seek(0, os.SEEK_END)
-        if size < info.header_size + seal_size:
-            return False
-        f.seek(size - seal_size)
-        tail = f.read(seal_size)
+        return is_sealed_at(lambda n, at: os.pread(f.fileno(), n, at), size,
+                            os.path.basename(path))
+
+
+def is_sealed_at(read: ReadAt, size: int, pack: str) -> bool:
+    """True if the last record of the pack `read` reads (`size` bytes) is a valid seal."""
     try:
-        rtype, _flags, payload = verify_frame(tail, info.sync, os.path.basename(path),
-                                              size - seal_size)
+        info = read_header(read(HEADER_SIZE, 0), pack)
+    except Corrupt:
+        return False
+    seal_size = info.frame_overhead + SEAL_PAYLOAD.size
+    if size < info.header_size + seal_size:
+        return False
+    tail = read(seal_size, size - seal_size)
+    try:
+        rtype, _flags, payload = verify_frame(tail, info.sync, pack, size - seal_size)
     except Corrupt:
         return False
     return rtype == R_SEAL and SEAL_PAYLOAD.unpack(payload)[0] == size - seal_size
 
 
+def encode_header(number: int, store_id: bytes, sync: bytes) -> bytes:
+    return HEADER.pack(PACK_MAGIC, PACK_VERSION, 0, number, time.time_ns(), store_id, sync)
+
+
 def write_header(fd: int, number: int, store_id: bytes, sync: bytes) -> None:
-    os.write(fd, HEADER.pack(PACK_MAGIC, PACK_VERSION, 0, number, time.time_ns(), store_id,
-                             sync))
+    os.write(fd, encode_header(number, store_id, sync))
 
 
 def read_header(data: bytes, pack: str) -> PackInfo:
@@ -240,10 +253,11 @@ def read_header(data: bytes, pack: str) -> PackInfo:
     return PackInfo(int(number), version, bytes(sync), HEADER_SIZE)
 
 
-def header_incomplete(path: str) -> bool:
-    """True if a pack is too short to hold its own header (created, then a crash)."""
-    with open(path, "rb") as f:
-        head = f.read(HEADER_SIZE)
+def header_incomplete(head: bytes) -> bool:
+    """True if a pack is too short to hold its own header (created, then a crash).
+
+    `head` is what the pack holds of its first HEADER_SIZE bytes.
+    """
     if len(head) < HEADER_V1_SIZE:
         return True
     version = int.from_bytes(head[8:10], "little")
@@ -267,16 +281,22 @@ def scan(path: str, start: int | None = None) -> ScanResult:
     """
     name = os.path.basename(path)
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < HEADER_V1_SIZE:
+        if os.fstat(f.fileno()).st_size < HEADER_V1_SIZE:
             raise Corrupt(name, 0, "truncated pack header")
         # Map rather than read: packs are up to 256 MiB and only touched once here.
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            info = read_header(data[:HEADER_SIZE], name)
-            return _scan_data(data, info, name, info.header_size if start is None else start)
+            return scan_buffer(data, name, start)
 
 
-def _scan_data(data: mmap.mmap, info: PackInfo, name: str, start: int) -> ScanResult:
+def scan_buffer(data: Buffer, name: str, start: int | None = None) -> ScanResult:
+    """`scan` of a pack's bytes, wherever they were read from."""
+    if len(data) < HEADER_V1_SIZE:
+        raise Corrupt(name, 0, "truncated pack header")
+    info = read_header(data[:HEADER_SIZE], name)
+    return _scan_data(data, info, name, info.header_size if start is None else start)
+
+
+def _scan_data(data: Buffer, info: PackInfo, name: str, start: int) -> ScanResult:
     records: list[Record] = []
     damaged: list[tuple[int, str]] = []
     pos = start
@@ -301,7 +321,7 @@ def _scan_data(data: mmap.mmap, info: PackInfo, name: str, start: int) -> ScanRe
     return ScanResult(records, end, damaged, False, sealed)
 
 
-def _parse_at(data: mmap.mmap, info: PackInfo, pos: int, name: str) -> Record:
+def _parse_at(data: Buffer, info: PackInfo, pos: int, name: str) -> Record:
     over = info.frame_overhead
     if pos + over > len(data):
         raise Corrupt(name, pos, "truncated frame header")
@@ -315,7 +335,7 @@ def _parse_at(data: mmap.mmap, info: PackInfo, pos: int, name: str) -> Record:
     return Record(pos, over + length, rtype, flags, payload)
 
 
-def _resync(data: mmap.mmap, info: PackInfo, pos: int, name: str) -> int | None:
+def _resync(data: Buffer, info: PackInfo, pos: int, name: str) -> int | None:
     while True:
         pos = data.find(info.sync, pos)
         if pos < 0:
@@ -327,13 +347,10 @@ def _resync(data: mmap.mmap, info: PackInfo, pos: int, name: str) -> int | None:
             pos += 1
 
 
-def complete_frame_at(path: str, offset: int) -> bool:
-    """True if a frame header at `offset` claims a length that fits in the file."""
-    info = read_info(path)
-    with open(path, "rb") as f:
-        size = f.seek(0, os.SEEK_END)
-        f.seek(offset)
-        head = f.read(info.frame_overhead)
+def complete_frame_at(read: ReadAt, size: int, offset: int, pack: str) -> bool:
+    """True if a frame header at `offset` claims a length that ends the pack (`size` bytes)."""
+    info = read_header(read(HEADER_SIZE, 0), pack)
+    head = read(info.frame_overhead, offset)
     if len(head) < info.frame_overhead or head[:len(info.sync)] != info.sync:
         return False
     _t, _f, length, _c = REST.unpack_from(head, len(info.sync))

@@ -1,0 +1,130 @@
+"""The store directory: its identity file, settings, permissions and owner lock.
+
+What `strata init` writes and what opening a store checks before anything
+reads a pack: the `STRATA` file (docs/format.md), the 0700 rule, and the
+exclusive lock that makes one process the owner (docs/design.md, "One owner").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from strata.engine.errors import Corrupt, InvalidInput, NotFound, Unavailable
+from strata.engine.objects import DEFAULT_BLOCK_SIZE
+
+STORE_MAGIC = "strata-store"
+STORE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    pack_size_limit: int = 256 * 1024 * 1024
+    pack_age_limit: float = 30.0
+    block_size: int = DEFAULT_BLOCK_SIZE
+    compress: bool = True
+    lock_timeout: float = 30.0
+    index_interval: float = 0.05
+
+
+def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
+               pack_size_limit: int | None = None, pack_age_limit: float | None = None) -> None:
+    """Create an empty store directory (idempotent on an existing store)."""
+    if not 4096 <= block_size <= 16 * 1024 * 1024:
+        raise InvalidInput("block size must be between 4 KiB and 16 MiB")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    meta = os.path.join(path, "STRATA")
+    if os.path.exists(meta):
+        read_store_meta(path)
+        return
+    os.chmod(path, 0o700)  # the store is its owner's alone: data, tokens, socket
+    os.makedirs(os.path.join(path, "packs"), mode=0o700, exist_ok=True)
+    settings: dict[str, Any] = {"version": STORE_VERSION, "id": uuid.uuid4().hex,
+                                "block_size": block_size}
+    if pack_size_limit is not None:
+        if pack_size_limit < 1024 * 1024:
+            raise InvalidInput("pack size limit must be at least 1 MiB")
+        settings["pack_size_limit"] = pack_size_limit
+    if pack_age_limit is not None:
+        if pack_age_limit <= 0:
+            raise InvalidInput("pack age limit must be positive")
+        settings["pack_age_limit"] = pack_age_limit
+    body = json.dumps(settings, sort_keys=True)
+    tmp = meta + ".tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(f"{STORE_MAGIC} {STORE_VERSION}\n{body}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, meta)
+    fsync_dir(path)
+
+
+def read_store_meta(path: str) -> dict[str, Any]:
+    meta = os.path.join(path, "STRATA")
+    try:
+        with open(meta) as f:
+            first = f.readline().split()
+            body = f.read()
+    except FileNotFoundError as exc:
+        raise NotFound(f"no strata store at {path} (run 'strata init')") from exc
+    if len(first) != 2 or first[0] != STORE_MAGIC:
+        raise Corrupt("STRATA", 0, "not a strata store file")
+    if int(first[1]) != STORE_VERSION:
+        raise InvalidInput(f"store format version {first[1]} is not supported")
+    return dict(json.loads(body))
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_private(path: str) -> None:
+    """Take group and other access away from a directory made before 0700 was the rule."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_mode & 0o077:
+            os.chmod(path, 0o700)
+
+
+class StoreLock:
+    """An exclusive flock on the store, waiting a bounded time for another owner."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path = os.path.join(path, "lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    owner = self.owner()
+                    os.close(self.fd)
+                    raise Unavailable(
+                        f"store {path} is in use by {owner}; waited {timeout:g}s for it") from None
+                time.sleep(0.02)
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def owner(self) -> str:
+        try:
+            pid = os.pread(self.fd, 32, 0).decode().strip()
+        except OSError:
+            pid = ""
+        return f"process {pid}" if pid else "another process"
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1

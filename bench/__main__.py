@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from bench import engine, mount, server, steps
+from bench import bucket, engine, mount, server, steps
 from bench.report import print_table
 
 
@@ -18,8 +18,8 @@ def main() -> None:
                     help="directory on the local disk to run in")
     ap.add_argument("--out", default="bench/results/engine.json")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
-    ap.add_argument("--only", default="engine,server,mount,steps",
-                    help="comma-separated groups to run (engine, server, mount, steps)")
+    ap.add_argument("--only", default="engine,server,bucket,mount,steps",
+                    help="comma-separated groups to run (engine, server, bucket, mount, steps)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -27,9 +27,11 @@ def main() -> None:
         rows += engine.run(args.dir, quick=args.quick)
     if "server" in groups:
         rows += server.run(args.dir, quick=args.quick)
+    if "bucket" in groups:
+        rows += bucket.run(args.dir, quick=args.quick)
     if rows:
-        print_table("strata engine and server benchmarks (local disk baseline from the same "
-                    "run)", rows)
+        print_table("strata engine, server and bucket benchmarks (baselines from the same run)",
+                    rows)
     mount_rows = mount.run(args.dir, quick=args.quick) if "mount" in groups else []
     if mount_rows:
         print_table("strata mount benchmarks (the same work on the local disk in the same run)",

@@ -5,7 +5,8 @@ bucket; `env()` gives the AWS_* variables that point obstore (and boto3) at
 it. `FaultProxy` sits between a client and moto and can break what a real
 network or a sloppy backend breaks; its first trick drops If-None-Match, as
 a backend that ignores conditional writes would; its second forwards a PUT
-and drops the answer, as a lost connection does.
+and drops the answer, as a lost connection does; its third answers 500, 503
+or 429 instead of forwarding (every request, or every n-th).
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.drop_headers: set[str] = set()
         self.lose_answers = 0  # forward this many PUTs, then drop their answers
+        self.fail_status: int | None = None  # answer this instead of forwarding ...
+        self.fail_every = 1                  # ... every this many requests (1: all)
+        self._count = 0
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -92,6 +96,12 @@ class FaultProxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                proxy._count += 1
+                if proxy.fail_status is not None and proxy._count % proxy.fail_every == 0:
+                    self.send_response(proxy.fail_status)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() not in proxy.drop_headers}
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)

@@ -684,6 +684,7 @@ def test_commit_of_a_large_file_reads_it_back_in_batches(sm: SharedMount) -> Non
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     max_rss_mib = int(p.stderr.strip().splitlines()[-1]) // 1024
+    print("committer max RSS MiB", max_rss_mib)
     assert max_rss_mib < 256, max_rss_mib
     assert json.loads(p.stdout)["uploaded_bytes"] >= count * block
     with sm.fresh(commit=False) as f, open(f / "large", "rb") as fh:

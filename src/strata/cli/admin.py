@@ -1,4 +1,4 @@
-"""Store administration: `strata init` and `strata fsck`."""
+"""Store administration: `strata init`, `restore`, `stats` and `fsck`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,23 @@ from strata.server.client import RemoteStore
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("init", parents=[common], help="create an empty store")
+    p.add_argument("--bucket", metavar="URL",
+                   help="keep the store in this bucket too: s3://BUCKET/PREFIX, gs://…, "
+                        "az://… or file:///PATH (credentials from the usual environment)")
+    p.add_argument("--sync", choices=["local", "bucket"], default="local",
+                   help="bucket: acknowledge a publish only once the bucket holds it")
     p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser("restore", parents=[common],
+                       help="make --store a copy of the store in a bucket (no download)")
+    p.add_argument("--bucket", metavar="URL", required=True)
+    p.add_argument("--sync", choices=["local", "bucket"], default="local")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_restore)
+
+    p = sub.add_parser("stats", parents=[common], help="engine counters and the bucket tier")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("fsck", parents=[common],
                        help="verify every pack record, the index and every branch's tree")
@@ -24,8 +40,44 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def cmd_init(args: argparse.Namespace) -> int:
     path = store_path(args)
-    init_store(path)
-    print(f"strata store at {path}")
+    if args.bucket:
+        from strata.engine.bucket import Bucket  # obstore: only with a bucket
+        Bucket(args.bucket).check_conditional()
+    init_store(path, bucket=args.bucket, sync=args.sync)
+    print(f"strata store at {path}" + (f", kept in {args.bucket}" if args.bucket else ""))
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from strata.engine.tier import restore
+    path = store_path(args)
+    report = restore(args.bucket, path, sync=args.sync)
+    if args.json:
+        print_json(report)
+    else:
+        print(f"restored {path} from {args.bucket} in {report['seconds']:.2f} s: owner epoch "
+              f"{report['epoch']}, {report['packs_in_bucket']} pack(s) left in the bucket, "
+              f"{report['segments']} log segment(s) replayed ({report['bytes']} bytes)")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with open_store(args) as store:
+        if isinstance(store, LocalStore):
+            stats: dict[str, Any] = {**store.stats, "bucket": store.tier_report()}
+        else:
+            assert isinstance(store, RemoteStore)
+            stats = store.admin("GET", "stats")
+    if args.json:
+        print_json(stats)
+        return 0
+    tier = stats.pop("bucket", None)
+    for k, v in sorted(stats.items()):
+        print(f"{k:>22}: {v}")
+    if tier:
+        print("bucket tier:")
+        for k, v in tier.items():
+            print(f"{k:>22}: {v}")
     return 0
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import urllib.parse
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import blake3
@@ -40,6 +41,12 @@ from strata.engine.objects import packb, unpackb
 _MISSING = (obx.NotFoundError, FileNotFoundError)
 _TAKEN = (obx.AlreadyExistsError, obx.PreconditionError, FileExistsError)
 _FAILED = (obx.BaseError, OSError)
+
+# obstore retries 5xx, 429 and dropped connections with backoff; a publish in strict
+# mode waits at most this long for the bucket before it answers 503.
+RETRY: Any = {"max_retries": 6, "retry_timeout": timedelta(seconds=8),
+              "backoff": {"init_backoff": timedelta(milliseconds=50),
+                          "max_backoff": timedelta(seconds=2), "base": 2}}
 
 LOG_DIGITS = 20
 RECORD_MAGIC = b"STRL"
@@ -82,7 +89,7 @@ class Bucket:
         elif parsed.scheme in ("s3", "gs", "az", "abfs", "abfss", "http", "https"):
             # Credentials, region and endpoint come from each cloud's usual
             # environment variables (AWS_*, GOOGLE_*, AZURE_*).
-            self._store = from_url(url)
+            self._store = from_url(url, retry_config=RETRY)
         else:
             raise ValueError(f"unsupported bucket URL {url!r}: use s3://, gs://, az:// "
                              "or file://")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import lmdb
@@ -22,6 +22,7 @@ LOC = struct.Struct("<IQIB")  # pack number, frame offset, frame length, object 
 POS = struct.Struct("<IQ")    # pack number, offset
 # fencing token, expiry (ns since the epoch), hash of the lease id (zeros: none); holder follows
 LEASE = struct.Struct("<QQ16s")
+Loc = tuple[int, int, int, int]
 
 
 class Index:
@@ -111,7 +112,46 @@ class Index:
             for k, v in txn.cursor():
                 yield bytes(k), LOC.unpack(v)
 
+    def checkpoint_tables(self, take_objects: Callable[[Iterator[tuple[bytes, Loc]]], Any]
+                          ) -> tuple[Any, dict[str, Any]]:
+        """Every table at one instant: `take_objects` consumes the sorted object index.
+
+        Returns what it returned, and the rest: applied position, volumes (name
+        -> id), refs, and the leases table's raw rows.
+        """
+        with self.env.begin() as txn:
+            got = take_objects((bytes(k), LOC.unpack(v))
+                               for k, v in txn.cursor(db=self.objects))
+            v = txn.get(b"applied", db=self.meta)
+            tables = {
+                "applied": POS.unpack(v) if v is not None else (0, 0),
+                "volumes": {bytes(k).decode(): bytes(x).decode()
+                            for k, x in txn.cursor(db=self.volumes)},
+                "refs": {tuple(bytes(k).decode().split("\0", 1)): bytes(x).hex()
+                         for k, x in txn.cursor(db=self.refs)},
+                "leases": [[bytes(k), bytes(x)] for k, x in txn.cursor(db=self.leases)],
+            }
+        return got, tables
+
     # -- the one writer -----------------------------------------------------------
+
+    def load_tables(self, applied: tuple[int, int], volumes: dict[str, str],
+                    refs: dict[tuple[str, str], str], leases: list[list[Any]]) -> None:
+        """Start an empty index from a checkpoint's tables (its objects come lazily)."""
+        with self.env.begin(write=True) as txn:
+            for name, vid in volumes.items():
+                txn.put(name.encode(), vid.encode(), db=self.volumes)
+            for (vol, br), sid in refs.items():
+                txn.put(_refkey(vol, br), bytes.fromhex(sid), db=self.refs)
+            for k, v in leases:
+                txn.put(bytes(k), bytes(v), db=self.leases)
+            txn.put(b"applied", POS.pack(*applied), db=self.meta)
+
+    def add_objects(self, entries: Iterable[tuple[bytes, Loc]]) -> None:
+        """Entries fetched from a checkpoint's index run (older than `applied`)."""
+        with self.env.begin(write=True, db=self.objects) as txn:
+            for oid, loc in entries:
+                txn.put(oid, LOC.pack(*loc), overwrite=False)
 
     def apply(self, objects: list[tuple[bytes, tuple[int, int, int, int]]],
               ops: list[list[Any]], applied: tuple[int, int]) -> None:

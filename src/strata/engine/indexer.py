@@ -30,6 +30,9 @@ class Indexer:
         self._durable = durable  # how far the journal is durable
         self._report = report    # the store's recovery report, where errors go
         self.recent: dict[bytes, Loc] = {}
+        # Where objects the index lacks may be (a restored store's lazily read index).
+        self.fallback: Callable[[bytes], tuple[Loc | None, list[tuple[bytes, Loc]]]] | None \
+            = None
         self._queue: collections.deque[tuple[Pos, str, Any]] = collections.deque()
         # One flusher at a time: batches must reach LMDB in order, or `applied`
         # could pass a batch another thread has popped but not yet written.
@@ -46,10 +49,14 @@ class Indexer:
         loc = self.recent.get(oid)
         if loc is None:
             loc = self.index.locate(oid)
+        if loc is None and self.fallback is not None:
+            loc, block = self.fallback(oid)
+            if block:  # keep the whole block: its neighbours are read next
+                self.index.add_objects(block)
         return loc
 
     def has(self, oid: bytes) -> bool:
-        return oid in self.recent or self.index.locate(oid) is not None
+        return self.locate(oid) is not None
 
     def appended_object(self, end: Pos, oid: bytes, loc: Loc) -> None:
         self.recent[oid] = loc

@@ -275,14 +275,23 @@ class Journal:
                 writer, number, offset, _born = self.tail
                 self._syncing = True
                 self._cond.release()
+                err: BaseException | None = None
+                later: Unavailable | None = None
                 try:
                     writer.datasync()
-                    err: BaseException | None = None
                 except OSError as exc:
                     err = exc
+                except Unavailable as exc:
+                    # Not durable yet, but nothing is lost either (the bucket tier in
+                    # strict mode, during an outage): this publish is not acknowledged,
+                    # and the next sync tries again.
+                    later = exc
                 finally:
                     self._cond.acquire()
                     self._syncing = False
+                if later is not None:
+                    self._cond.notify_all()
+                    raise later
                 self.stats["fsyncs"] += 1
                 if err is not None:
                     self.failed = err

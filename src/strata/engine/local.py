@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata.engine import pack as packfmt
 from strata.engine.changes import rebase
@@ -67,7 +67,10 @@ from strata.engine.objects import (
     packb,
     references,
 )
-from strata.engine.packstore import LocalPacks
+from strata.engine.packstore import LocalPacks, PackStore
+
+if TYPE_CHECKING:
+    from strata.engine.tier import TieredPacks
 from strata.engine.reach import volume_key
 from strata.engine.recovery import open_index, rebuild_index
 from strata.engine.refs import CasMismatch, Refs, lease_fencing, lease_key, lease_matches
@@ -100,7 +103,16 @@ class LocalStore(Store):
         self.packs_dir = os.path.join(self.path, "packs")
         self.index_dir = os.path.join(self.path, "index")
         make_private(self.path)  # stores made before 0700 was the rule
-        self._packs = LocalPacks(self.packs_dir)
+        self._packs: PackStore = LocalPacks(self.packs_dir)
+        self._tier: TieredPacks | None = None
+        if meta.get("bucket"):  # the store is kept in a bucket too (engine/tier.py)
+            from strata.engine.tier import open_tier  # obstore: only with a bucket
+            try:
+                self._tier = open_tier(self.path, meta, LocalPacks(self.packs_dir))
+            except BaseException:
+                self._lock.release()
+                raise
+            self._packs = self._tier
         self.node_cache = NodeCache()
         self._snap_cache: dict[str, SnapshotInfo] = {}
         self.recovery: dict[str, Any] = {"truncated": [], "damaged": [], "replayed": 0}
@@ -109,6 +121,7 @@ class LocalStore(Store):
         try:
             index = open_index(self.index_dir, self._packs, self.recovery)
             self._indexer = Indexer(index, lambda: self._journal.durable, self.recovery)
+            self._indexer.fallback = self._packs.locate
             self._refs = Refs(index)
             self._journal = Journal(self._packs, self.store_id, self.config, self._refs,
                                     self._indexer)
@@ -122,6 +135,8 @@ class LocalStore(Store):
             self._lock.release()
             raise
         self._indexer.start(self.config.index_interval, self._journal.maybe_seal_by_age)
+        if self._tier is not None:
+            self._tier.attach(self.index, self.store_id, self.block_size, self.path)
 
     @property
     def index(self) -> Index:
@@ -622,6 +637,10 @@ class LocalStore(Store):
         """Write everything durable into LMDB now (normally the indexer does this)."""
         self._indexer.flush()
 
+    def tier_report(self) -> dict[str, Any] | None:
+        """The bucket tier's state (None for a store without a bucket)."""
+        return self._tier.report() if self._tier is not None else None
+
     def fsck(self) -> dict[str, Any]:
         """Verify every record of every pack, the index, and every branch's tree."""
         return fsck(self._packs, self._journal, self._refs, self._indexer, self.get_object,
@@ -637,7 +656,7 @@ class LocalStore(Store):
             return
         self._indexer.stop()
         self._journal.close(self._indexer.flush)
-        self._packs.close()
+        self._packs.close()  # the bucket tier ships, uploads and checkpoints first
         self.index.close()
         self._lock.release()
 

@@ -36,6 +36,8 @@ from strata.engine import pack as packfmt
 from strata.engine.errors import Corrupt
 from strata.engine.storedir import fsync_dir, make_private
 
+Loc = tuple[int, int, int, int]  # pack number, frame offset, frame length, object kind
+
 
 class PackWriter(ABC):
     """The open end of the one pack being appended to."""
@@ -104,6 +106,14 @@ class PackStore(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def locate(self, oid: bytes) -> tuple[Loc | None, list[tuple[bytes, Loc]]]:
+        """Where an object the index lacks is, if these packs know.
+
+        A restored store's index is fetched lazily; with the answer comes the
+        block of index entries read to find it.
+        """
+        return None, []
 
 
 class LocalPacks(PackStore):
@@ -205,6 +215,21 @@ class LocalPacks(PackStore):
         self._infos.pop(number, None)
         os.remove(self._path(number))
         fsync_dir(self.path)
+
+    def adopt(self, number: int, data: bytes) -> None:
+        """Keep a sealed pack fetched from elsewhere (a bucket), durably and read-only."""
+        tmp = self._path(number) + ".part"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o400)
+        os.rename(tmp, self._path(number))
+        fsync_dir(self.path)
+
+    def open_raw(self, number: int) -> int:
+        """A read-write descriptor of a pack, created if absent (a restore rebuilds packs)."""
+        return os.open(self._path(number), os.O_RDWR | os.O_CREAT, 0o600)
 
     def close(self) -> None:
         for fd in self._read_fds.values():

@@ -23,6 +23,9 @@ STORE_MAGIC = "strata-store"
 STORE_VERSION = 1
 
 
+BUCKET_PACK_SIZE = 16 * 1024 * 1024  # default pack size limit of a store kept in a bucket
+
+
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     pack_size_limit: int = 256 * 1024 * 1024
@@ -34,7 +37,9 @@ class StoreConfig:
 
 
 def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
-               pack_size_limit: int | None = None, pack_age_limit: float | None = None) -> None:
+               pack_size_limit: int | None = None, pack_age_limit: float | None = None,
+               bucket: str | None = None, sync: str = "local",
+               store_id: str | None = None) -> None:
     """Create an empty store directory (idempotent on an existing store)."""
     if not 4096 <= block_size <= 16 * 1024 * 1024:
         raise InvalidInput("block size must be between 4 KiB and 16 MiB")
@@ -45,8 +50,16 @@ def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
         return
     os.chmod(path, 0o700)  # the store is its owner's alone: data, tokens, socket
     os.makedirs(os.path.join(path, "packs"), mode=0o700, exist_ok=True)
-    settings: dict[str, Any] = {"version": STORE_VERSION, "id": uuid.uuid4().hex,
+    settings: dict[str, Any] = {"version": STORE_VERSION, "id": store_id or uuid.uuid4().hex,
                                 "block_size": block_size}
+    if bucket is not None and pack_size_limit is None:
+        # A restore rebuilds the unsealed pack from the log: smaller packs bound that.
+        pack_size_limit = BUCKET_PACK_SIZE
+    if bucket is not None:  # the bucket tier (engine/tier.py)
+        if sync not in ("local", "bucket"):
+            raise InvalidInput("sync is 'local' or 'bucket'")
+        settings["bucket"] = bucket
+        settings["sync"] = sync
     if pack_size_limit is not None:
         if pack_size_limit < 1024 * 1024:
             raise InvalidInput("pack size limit must be at least 1 MiB")

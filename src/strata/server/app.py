@@ -643,7 +643,8 @@ async def stats(request: web.Request) -> web.Response:
     _owner(request)
     state = request.app[STATE]
     store = state.need_store()
-    return web.json_response({**store.stats, **state.served})
+    tier = await state.run(store.tier_report)
+    return web.json_response({**store.stats, **state.served, "bucket": tier})
 
 
 async def fsck(request: web.Request) -> web.Response:

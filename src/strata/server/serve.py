@@ -150,7 +150,11 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
         finally:
             old.close()
     try:
-        cfg = config or StoreConfig(lock_timeout=30.0 if takeover else 0.0)
+        meta = read_store_meta(store_dir)  # the settings chosen at init time hold here too
+        cfg = config or StoreConfig(
+            lock_timeout=30.0 if takeover else 0.0,
+            pack_size_limit=int(meta.get("pack_size_limit", StoreConfig().pack_size_limit)),
+            pack_age_limit=float(meta.get("pack_age_limit", StoreConfig().pack_age_limit)))
         state.store = await loop.run_in_executor(state.executor,
                                                  lambda: LocalStore(store_dir, cfg))
     except BaseException:

@@ -1,0 +1,649 @@
+"""The bucket tier: a PackStore that keeps a copy of every pack byte in a bucket.
+
+The engine reaches pack bytes only through a `PackStore` (engine/packstore.py),
+so the whole tier is this one implementation wrapped around `LocalPacks`:
+
+- **Every byte written is shipped to the owner log.** The writer records each
+  append (and each cut) as a chunk (pack number, offset, bytes); a `segment`
+  log record carries the chunks written since the last one. In the default
+  mode a background thread ships about twice a second, so a lost disk loses at
+  most the last fraction of a second of publishes. With `strict` (`--sync
+  bucket`) a writer's `datasync` ships before it returns: group commit already
+  makes one datasync serve many publishes, so they share one PUT, and nothing
+  is acknowledged that the bucket does not hold.
+- **Sealed packs are uploaded whole** (`packs/<number>-<sync marker>.pack`,
+  create-only; the marker is random per pack, so two owners' packs of one
+  number never share a name) and checked by size.
+- **Checkpoints** follow every couple of seconds while the store changes: the
+  index's tables at its applied position Q, with the object index as a run of
+  verified blocks (engine/checkpoint.py), and `log_from`, the first log record
+  holding bytes of a pack not uploaded at that time. Restore needs nothing
+  else: the checkpoint, the segments from `log_from`, and ranged reads of
+  uploaded packs when something in them is read.
+- **Fencing**: every log write goes through `OwnerLog`, so an owner taken over
+  fails its next ship or checkpoint, marks the tier failed, and the journal
+  refuses to acknowledge anything more (its datasync raises).
+
+Pack bytes of packs that are only in the bucket are read with ranged GETs in
+aligned windows kept in a bounded memory cache; a scan (`mapped`) downloads
+the pack into the local directory first.
+
+Durability ordering is in docs/design.md ("The bucket tier").
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+from strata.engine import pack as packfmt
+from strata.engine.bucket import Bucket, BucketUnavailable, Exists, Fenced, OwnerLog
+from strata.engine.checkpoint import Checkpoint, RunReader, encode_run
+from strata.engine.errors import Corrupt, InvalidInput, NotFound, StoreFailed
+from strata.engine.index import Index
+from strata.engine.packstore import LocalPacks, PackStore, PackWriter
+from strata.engine.storedir import init_store
+
+SHIP_INTERVAL = 0.5        # default mode: seconds between segment records
+SHIP_BYTES = 8 << 20       # ... or sooner once this much is pending
+SEGMENT_MAX = 32 << 20     # bytes of chunks in one segment record
+CHECKPOINT_INTERVAL = 2.0  # seconds between checkpoints while the store changes
+WINDOW = 1 << 20           # ranged reads of bucket-only packs, in aligned windows
+WINDOW_CACHE = 64          # windows kept in memory
+Chunk = tuple[int, int, bytes | None]  # pack, offset, bytes (None: cut the pack here)
+Loc = tuple[int, int, int, int]
+BUCKET_META = "strata-bucket"
+TIER_STATE = "tier.json"              # in the store: this owner's epoch and log position
+TIER_CHECKPOINT = "tier-checkpoint"   # in the store: the last checkpoint it wrote or read
+
+
+def _write_file(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+
+
+def pack_object_name(number: int, epoch: int) -> str:
+    """A sealed pack's bucket name, unique to its uploader's epoch.
+
+    Owners never share a name: a pack rebuilt by a restore may differ from the
+    same-numbered pack its old owner went on writing.
+    """
+    return f"packs/{packfmt.pack_name(number)[:-5]}-{epoch}.pack"
+
+
+class TieredPacks(PackStore):
+    """Local packs, with every byte also shipped to the bucket (see the module docstring)."""
+
+    def __init__(self, local: LocalPacks, bucket: Bucket, log: OwnerLog, *, strict: bool,
+                 checkpoint: Checkpoint | None = None) -> None:
+        self.local = local
+        self.bucket = bucket
+        self.log = log
+        self.strict = strict
+        self.failed: BaseException | None = None
+        self._lock = threading.Lock()          # pending chunks and the maps below
+        self._ship_lock = threading.Lock()     # one segment write at a time, in order
+        self._pending: list[Chunk] = []
+        self._pending_bytes = 0
+        self._shipped_at = time.monotonic()
+        self._pending_since: float | None = None
+        # Packs in the bucket: number -> (object name, size). From the checkpoint a
+        # restore started from, then each upload.
+        self.remote: dict[int, tuple[str, int]] = dict(checkpoint.packs) if checkpoint else {}
+        self._first_seq: dict[int, int] = {}   # pack -> first segment holding its bytes
+        self._uploads: collections.deque[int] = collections.deque()
+        self._windows: collections.OrderedDict[tuple[int, int], bytes] = \
+            collections.OrderedDict()
+        self._run: RunReader | None = None
+        if checkpoint is not None and checkpoint.run:
+            run = checkpoint.run
+            self._run = RunReader(run, checkpoint.fences, checkpoint.entries,
+                                  lambda s, e: self.bucket.get_range(run, s, e))
+        self._run_blocks: set[int] = set()
+        self._log_from_at_open = checkpoint.log_from if checkpoint is not None else 0
+        self._index: Index | None = None
+        self._state_dir: str | None = None
+        self._store_id = b""
+        self._block_size = 0
+        self._changed = False
+        self._checkpointed_at = 0.0
+        self.stats = {"segments": 0, "segment_bytes": 0, "packs_uploaded": 0,
+                      "bytes_uploaded": 0, "checkpoints": 0, "ranged_reads": 0,
+                      "last_checkpoint": 0.0, "last_ship": 0.0, "max_unshipped_ms": 0.0,
+                      "outages": 0}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- wiring ----------------------------------------------------------------------
+
+    def attach(self, index: Index, store_id: bytes, block_size: int, state_dir: str) -> None:
+        """Start the background work once the store's index is open."""
+        self._index = index
+        self._state_dir = state_dir
+        self._save_state()
+        self._store_id = store_id
+        self._block_size = block_size
+        inherited = self._log_from_at_open
+        for n in self.local.numbers():
+            if n in self.remote:
+                continue
+            # Bytes written before this open are in the log from the last checkpoint's
+            # `log_from` on (or from the start): a restore must begin there for them.
+            self._first_seq[n] = inherited
+            if self._sealed(n):  # sealed, and a previous run did not upload it
+                self._uploads.append(n)
+        self._thread = threading.Thread(target=self._loop, name="strata-tier", daemon=True)
+        self._thread.start()
+
+    def _sealed(self, number: int) -> bool:
+        return packfmt.is_sealed_at(lambda n, o: self.local.pread(number, n, o),
+                                    self.local.size(number), packfmt.pack_name(number))
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise StoreFailed(f"the bucket tier stopped: {self.failed}")
+
+    # -- shipping ----------------------------------------------------------------------
+
+    def _record(self, chunk: Chunk) -> None:
+        with self._lock:
+            if not self._pending:
+                self._pending_since = time.monotonic()
+            self._pending.append(chunk)
+            self._pending_bytes += len(chunk[2] or b"")
+            self._changed = True
+
+    def ship(self) -> None:
+        """Write every pending chunk to the log, in order (one record per SEGMENT_MAX)."""
+        with self._ship_lock:
+            self._check()
+            with self._lock:
+                todo, self._pending, self._pending_bytes = self._pending, [], 0
+                since = self._pending_since if todo else None
+            try:
+                while todo:
+                    size, cut = 0, 0
+                    while cut < len(todo) and (cut == 0 or size < SEGMENT_MAX):
+                        size += len(todo[cut][2] or b"")
+                        cut += 1
+                    part = todo[:cut]
+                    seq = self.log.append("segment", chunks=[list(c) for c in part])
+                    todo = todo[cut:]  # only once it is in the bucket
+                    with self._lock:
+                        for n, _o, _d in part:
+                            self._first_seq.setdefault(n, seq)
+                    self.stats["segments"] += 1
+                    self.stats["segment_bytes"] += size
+            except BucketUnavailable as exc:
+                # An outage: keep the chunks, in order, for the next try. Strict mode's
+                # publish is not acknowledged (it may land once the bucket is back, so a
+                # retry with the same txid is the safe one); the default mode goes on.
+                with self._lock:
+                    self._pending[:0] = todo
+                    self._pending_bytes += sum(len(c[2] or b"") for c in todo)
+                    if self._pending_since is None:
+                        self._pending_since = since
+                self.stats["outages"] += 1
+                raise BucketUnavailable(f"the bucket is unavailable: {exc}") from exc
+            except BaseException as exc:
+                self.failed = exc
+                raise StoreFailed(f"the bucket tier stopped: {exc}") from exc
+            self._shipped_at = time.monotonic()
+            self.stats["last_ship"] = time.time()
+            if since is not None:
+                # The loss window: how long a written byte waited to be in the bucket.
+                self.stats["max_unshipped_ms"] = max(self.stats["max_unshipped_ms"],
+                                                     (self._shipped_at - since) * 1000)
+
+    # -- uploads and checkpoints ----------------------------------------------------------
+
+    def _upload(self, number: int) -> None:
+        name = pack_object_name(number, self.log.epoch or 0)
+        size = self.local.size(number)
+        with self.local.mapped(number) as data:
+            body = bytes(data)
+        with contextlib.suppress(Exception):  # an earlier attempt may have landed
+            if self.bucket.size(name) == size:
+                self.remote[number] = (name, size)
+                return
+        self.bucket.put(name, body)
+        if self.bucket.size(name) != size:
+            raise StoreFailed(f"bucket copy of {name} has the wrong size")
+        with self._lock:
+            self.remote[number] = (name, size)
+            self._changed = True
+        self.stats["packs_uploaded"] += 1
+        self.stats["bytes_uploaded"] += size
+
+    def checkpoint(self) -> str:
+        """Write a checkpoint of the index as it is now; returns its bucket name."""
+        assert self._index is not None
+        (run, fences, entries), tables = self._index.checkpoint_tables(encode_run)
+        # Everything up to `applied` was written before this point: ship it first.
+        self.ship()
+        with self._lock:
+            remote = dict(self.remote)
+            unsent = [seq for n, seq in self._first_seq.items() if n not in remote]
+            self._changed = False
+        log_from = min(unsent) if unsent else (self.log.next or 0)
+        stamp = f"{self.log.epoch}-{self.log.next}-{os.urandom(4).hex()}"
+        run_name = f"runs/{stamp}"
+        self.bucket.put_new(run_name, run)
+        cp = Checkpoint(store_id=self._store_id, epoch=self.log.epoch or 0,
+                        applied=tables["applied"], volumes=tables["volumes"],
+                        refs=tables["refs"], leases=tables["leases"], packs=remote,
+                        run=run_name, fences=fences, entries=entries, log_from=log_from,
+                        block_size=self._block_size)
+        name = f"checkpoints/{stamp}"
+        data = cp.encode()
+        self.bucket.put_new(name, data)
+        with self._ship_lock:
+            self._check()
+            try:
+                self.log.append("checkpoint", name=name)
+            except BucketUnavailable:
+                raise
+            except BaseException as exc:
+                self.failed = exc
+                raise
+        self.log.write_hint()
+        self._save_state(data)
+        self._checkpointed_at = time.monotonic()
+        self.stats["checkpoints"] += 1
+        self.stats["last_checkpoint"] = time.time()
+        return name
+
+    def _save_state(self, checkpoint: bytes | None = None) -> None:
+        """Remember locally how far this owner's log reached (and its last checkpoint)."""
+        if self._state_dir is None:
+            return
+        if checkpoint is not None:
+            _write_file(os.path.join(self._state_dir, TIER_CHECKPOINT), checkpoint)
+        _write_file(os.path.join(self._state_dir, TIER_STATE), json.dumps(
+            {"epoch": self.log.epoch, "next": self.log.next}).encode())
+
+    def _loop(self) -> None:
+        pause = 0.1
+        while not self._stop.wait(pause):
+            try:
+                self._work()
+                pause = 0.1
+            except BucketUnavailable:
+                pause = min(pause * 2, 2.0)  # an outage: try again, less often
+            except BaseException as exc:  # noqa: BLE001 - a fenced or broken tier stops
+                if self.failed is None:
+                    self.failed = exc
+
+    def _work(self) -> None:
+        if self.failed is not None:
+            return
+        now = time.monotonic()
+        if self._pending and (now - self._shipped_at >= SHIP_INTERVAL
+                              or self._pending_bytes >= SHIP_BYTES):
+            self.ship()
+        while self._uploads:
+            self._upload(self._uploads[0])
+            self._uploads.popleft()
+        if self._changed and now - self._checkpointed_at >= CHECKPOINT_INTERVAL:
+            self.checkpoint()
+
+    def flush(self) -> None:
+        """Ship, upload and checkpoint everything now (close, tests, `strata stats`)."""
+        self.ship()
+        while self._uploads:
+            self._upload(self._uploads[0])
+            self._uploads.popleft()
+        if self._changed:
+            self.checkpoint()
+
+    def report(self) -> dict[str, Any]:
+        """What `strata stats` shows of the tier."""
+        with self._lock:
+            pending, remote = self._pending_bytes, dict(self.remote)
+        local = self.local.numbers()
+        now = time.time()
+        last = self.stats["last_checkpoint"]
+        return {"bucket": self.bucket.url, "sync": "bucket" if self.strict else "local",
+                "epoch": self.log.epoch, "failed": str(self.failed) if self.failed else None,
+                "local_bytes": sum(self.local.size(n) for n in local),
+                "packs_local": len(local),
+                "packs_in_bucket": len(remote),
+                "packs_only_in_bucket": len(set(remote) - set(local)),
+                "bucket_pack_bytes": sum(size for _n, size in remote.values()),
+                "unshipped_bytes": pending, "uploads_queued": len(self._uploads),
+                "last_checkpoint_age": round(now - last, 3) if last else None,
+                **{k: v for k, v in self.stats.items() if k != "last_checkpoint"}}
+
+    # -- the index a restore has not fetched -------------------------------------------
+
+    def locate(self, oid: bytes) -> tuple[Loc | None, list[tuple[bytes, Loc]]]:
+        """Where the checkpoint's index run puts `oid`, and the block read to find it."""
+        if self._run is None:
+            return None, []
+        i = self._run.block_of(oid)
+        if i is None or i in self._run_blocks:
+            return None, []  # fetched before: the caller's index already holds it all
+        loc, block = self._run.lookup(oid)
+        self._run_blocks.add(i)
+        return loc, block
+
+    # -- PackStore ------------------------------------------------------------------------
+
+    def numbers(self) -> list[int]:
+        return sorted(set(self.local.numbers()) | set(self.remote))
+
+    def _is_local(self, number: int) -> bool:
+        try:
+            self.local.size(number)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def size(self, number: int) -> int:
+        if number in self.remote and not self._is_local(number):
+            return self.remote[number][1]
+        return self.local.size(number)
+
+    def pread(self, number: int, length: int, offset: int) -> bytes:
+        if number not in self.remote or self._is_local(number):
+            return self.local.pread(number, length, offset)
+        name, size = self.remote[number]
+        end = min(offset + length, size)
+        out = bytearray()
+        w = offset // WINDOW
+        while w * WINDOW < end:
+            window = self._window(number, name, size, w)
+            lo = max(offset, w * WINDOW) - w * WINDOW
+            hi = min(end, (w + 1) * WINDOW) - w * WINDOW
+            out += window[lo:hi]
+            w += 1
+        return bytes(out)
+
+    def _window(self, number: int, name: str, size: int, w: int) -> bytes:
+        key = (number, w)
+        with self._lock:
+            data = self._windows.get(key)
+            if data is not None:
+                self._windows.move_to_end(key)
+                return data
+        data = self.bucket.get_range(name, w * WINDOW, min((w + 1) * WINDOW, size))
+        self.stats["ranged_reads"] += 1
+        if len(data) != min(WINDOW, size - w * WINDOW):
+            raise NotFound(f"bucket object {name} is shorter than the checkpoint says")
+        with self._lock:
+            self._windows[key] = data
+            while len(self._windows) > WINDOW_CACHE:
+                self._windows.popitem(last=False)
+        return data
+
+    def info(self, number: int) -> packfmt.PackInfo:
+        if number in self.remote and not self._is_local(number):
+            name = packfmt.pack_name(number)
+            return packfmt.read_header(self.pread(number, packfmt.HEADER_SIZE, 0), name)
+        return self.local.info(number)
+
+    def mapped(self, number: int) -> AbstractContextManager[packfmt.Buffer]:
+        if number in self.remote and not self._is_local(number):
+            self._download(number)
+        return self.local.mapped(number)
+
+    def _download(self, number: int) -> None:
+        name, size = self.remote[number]
+        data = self.bucket.get(name)
+        if len(data) != size:
+            raise NotFound(f"bucket object {name} is {len(data)} bytes, not {size}")
+        self.local.adopt(number, data)
+
+    def create(self, number: int, header: bytes) -> PackWriter:
+        self._check()
+        w = self.local.create(number, header)
+        self._record((number, 0, header))
+        return _TierWriter(self, w, number, len(header))
+
+    def open_append(self, number: int) -> PackWriter:
+        self._check()
+        return _TierWriter(self, self.local.open_append(number), number,
+                           self.local.size(number))
+
+    def sync(self, number: int) -> None:
+        self.local.sync(number)
+
+    def seal(self, number: int) -> None:
+        self.local.seal(number)
+        self._uploads.append(number)
+
+    def cut(self, number: int, size: int) -> None:
+        self.local.cut(number, size)
+        self._record((number, size, None))
+
+    def remove(self, number: int) -> None:
+        self.local.remove(number)
+        self._record((number, 0, None))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.failed is None:
+            with contextlib.suppress(Exception):
+                self.flush()
+        self.local.close()
+
+
+class _TierWriter(PackWriter):
+    def __init__(self, tier: TieredPacks, inner: PackWriter, number: int, offset: int) -> None:
+        self.tier = tier
+        self.inner = inner
+        self.number = number
+        self.offset = offset
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.tier._check()
+        n = self.inner.write(data)
+        self.tier._record((self.number, self.offset, bytes(data[:n])))
+        self.offset += n
+        return n
+
+    def truncate(self, size: int) -> None:
+        self.inner.truncate(size)
+        self.offset = size
+        self.tier._record((self.number, size, None))
+
+    def datasync(self) -> None:
+        if not self.tier.strict:
+            self.inner.datasync()
+            self.tier._check()
+            return
+        # Acknowledged means on the disk and in the bucket: the two at once.
+        failed: list[BaseException] = []
+
+        def local() -> None:
+            try:
+                self.inner.datasync()
+            except BaseException as exc:  # noqa: BLE001 - raised below, in order
+                failed.append(exc)
+
+        sync = threading.Thread(target=local, name="strata-datasync")
+        sync.start()
+        try:
+            self.tier.ship()
+        finally:
+            sync.join()
+        if failed:
+            raise failed[0]
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def apply_segments(local: LocalPacks, log: OwnerLog, start: int, end: int,
+                   skip: set[int]) -> dict[str, Any]:
+    """Rebuild, byte for byte, the packs the log holds from record `start` to `end`.
+
+    Packs in `skip` (uploaded whole) are left alone. Chunks are applied in log
+    order, so a cut or a rewrite after a crash wins over what came before.
+    """
+    files: dict[int, int] = {}
+    report = {"segments": 0, "bytes": 0, "packs": 0}
+    try:
+        for seq in range(start, end):
+            body = log.read(seq)
+            if body["kind"] != "segment":
+                continue
+            report["segments"] += 1
+            for n, offset, data in body["chunks"]:
+                n, offset = int(n), int(offset)
+                if n in skip:
+                    continue
+                fd = files.get(n)
+                if fd is None:
+                    fd = files[n] = local.open_raw(n)
+                if data is None:
+                    os.ftruncate(fd, offset)
+                else:
+                    os.pwrite(fd, bytes(data), offset)
+                    report["bytes"] += len(data)
+        for fd in files.values():
+            os.fsync(fd)
+    finally:
+        for fd in files.values():
+            os.close(fd)
+    report["packs"] = len(files)
+    return report
+
+
+def iter_log_back(log: OwnerLog, end: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    seq = end - 1
+    while seq >= 0:
+        yield seq, log.read(seq)
+        seq -= 1
+
+
+
+
+# -- a store with a bucket: opening and restoring ---------------------------------------
+
+
+
+def bucket_meta(bucket: Bucket, store_id: str, block_size: int) -> None:
+    """Bind the bucket to this store (create-only), or check it is bound to it."""
+    body = json.dumps({"format": 1, "store_id": store_id, "block_size": block_size},
+                      sort_keys=True).encode()
+    try:
+        bucket.put_new(BUCKET_META, body)
+        return
+    except Exists:
+        pass
+    theirs = _read_meta(bucket)
+    if theirs["store_id"] != store_id:
+        raise InvalidInput(f"the bucket at {bucket.url} holds another store "
+                           f"({theirs['store_id']}), not {store_id}")
+
+
+def _read_meta(bucket: Bucket) -> dict[str, Any]:
+    try:
+        meta = json.loads(bucket.get(BUCKET_META))
+        if meta.get("format") != 1:
+            raise InvalidInput(f"{BUCKET_META} in {bucket.url} has format "
+                               f"{meta.get('format')!r}; this strata reads 1")
+        return dict(meta)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise Corrupt(BUCKET_META, 0, f"does not decode: {exc}") from None
+
+
+def newest_checkpoint(bucket: Bucket, log: OwnerLog, end: int) -> Checkpoint | None:
+    """The checkpoint named by the last `checkpoint` record before `end`."""
+    for _seq, body in iter_log_back(log, end):
+        if body["kind"] == "checkpoint":
+            name = str(body["name"])
+            return Checkpoint.decode(name, bucket.get(name))
+    return None
+
+
+def open_tier(store_dir: str, meta: dict[str, Any], local: LocalPacks) -> TieredPacks:
+    """The pack store of a store kept in a bucket: check the bucket, claim the log.
+
+    Refuses to open a store whose log another owner has written to since this
+    store last wrote it: that store was taken over (restore from the bucket
+    instead), and writing on would fork the store's history.
+    """
+    bucket = Bucket(str(meta["bucket"]))
+    bucket.check_conditional()
+    bucket_meta(bucket, str(meta["id"]), int(meta["block_size"]))
+    log = OwnerLog(bucket)
+    state_path = os.path.join(store_dir, TIER_STATE)
+    if os.path.exists(state_path):
+        with open(state_path, "rb") as f:
+            state = json.loads(f.read())
+        if state.get("next") is not None:
+            for seq, body in log.records(int(state["next"])):
+                if body["epoch"] != state["epoch"]:
+                    raise Fenced(f"this store was taken over (epoch {body['epoch']} wrote "
+                                 f"log record {seq}); restore it from {bucket.url} instead")
+    elif log.find_end() > 0 and local.numbers():
+        raise Fenced(f"the bucket at {bucket.url} already has a log, and this store "
+                     "never wrote it: restore from the bucket instead")
+    cp: Checkpoint | None = None
+    cp_path = os.path.join(store_dir, TIER_CHECKPOINT)
+    if os.path.exists(cp_path):
+        with open(cp_path, "rb") as f:
+            cp = Checkpoint.decode(cp_path, f.read())
+    log.claim(socket.gethostname())
+    return TieredPacks(local, bucket, log, strict=meta.get("sync") == "bucket", checkpoint=cp)
+
+
+def restore(url: str, store_dir: str, *, sync: str = "local") -> dict[str, Any]:
+    """Make `store_dir` a copy of the store in the bucket, downloading no packs.
+
+    Claims the log first, so the old owner is fenced before the tail is read.
+    Then: the newest checkpoint (its tables; the object index stays in the
+    bucket and is read a block at a time), and the log's segments from the
+    checkpoint's `log_from`, rebuilding the packs that were not uploaded.
+    Opening the store replays what lies past the checkpoint.
+    """
+    if os.path.exists(os.path.join(store_dir, "STRATA")):
+        raise InvalidInput(f"{store_dir} is already a store")
+    t0 = time.monotonic()
+    bucket = Bucket(url)
+    bucket.check_conditional()
+    try:
+        meta = _read_meta(bucket)
+    except NotFound:
+        raise NotFound(f"no strata store in the bucket at {url}") from None
+    log = OwnerLog(bucket)
+    epoch = log.claim(socket.gethostname())
+    cp = newest_checkpoint(bucket, log, epoch)
+    if cp is not None and cp.store_id.hex() != meta["store_id"]:
+        raise Corrupt(BUCKET_META, 0, "the checkpoint belongs to another store")
+    init_store(store_dir, block_size=int(meta["block_size"]), store_id=str(meta["store_id"]),
+               bucket=url, sync=sync)
+    local = LocalPacks(os.path.join(store_dir, "packs"))
+    try:
+        report = apply_segments(local, log, cp.log_from if cp else 0, epoch,
+                                set(cp.packs) if cp else set())
+    finally:
+        local.close()
+    if cp is not None:
+        index = Index(os.path.join(store_dir, "index"))
+        try:
+            index.load_tables(cp.applied, cp.volumes, cp.refs, cp.leases)
+        finally:
+            index.close()
+        _write_file(os.path.join(store_dir, TIER_CHECKPOINT), cp.encode())
+    _write_file(os.path.join(store_dir, TIER_STATE),
+                json.dumps({"epoch": epoch, "next": epoch + 1}).encode())
+    report.update(epoch=epoch, checkpoint=bool(cp), seconds=time.monotonic() - t0,
+                  packs_in_bucket=len(cp.packs) if cp else 0)
+    return report

@@ -1,0 +1,218 @@
+"""The bucket tier end to end: a server on a store kept in a bucket, the disk lost, a restore.
+
+Real parts: `strata serve` processes publishing over their socket, moto on
+loopback (and file:// for the same contract), SIGKILL, and the store
+directory deleted as a lost disk is. Nothing is downloaded at restore: the
+old files are read back through ranged reads of the bucket's packs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from strata.engine.errors import StrataError
+from strata.engine.local import LocalStore, init_store
+from strata.engine.tier import restore
+from strata.engine.txn import Transaction
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bucketutil import BUCKET, Moto  # noqa: E402
+from serverutil import Server, cli  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moto]:
+    m = Moto(tmp_path_factory.mktemp("moto")).start()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture(params=["s3", "file"])
+def bucket_url(request: pytest.FixtureRequest, tmp_path: Path,
+               monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path}/bucket"
+    moto: Moto = request.getfixturevalue("moto")
+    for k, v in moto.env().items():
+        monkeypatch.setenv(k, v)
+    return f"s3://{BUCKET}/{tmp_path.name}"
+
+
+def content(path: str) -> bytes:
+    """20 KB that do not compress, different for every path."""
+    return random.Random(path).randbytes(20_000) + path.encode()
+
+
+class Publisher:
+    """Publishes one file per commit through the server's socket; notes each ack's time."""
+
+    def __init__(self, server: Server, prefix: str) -> None:
+        self.server = server
+        self.prefix = prefix
+        self.acked: list[tuple[str, float]] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            with self.server.remote(retry_for=0.0) as remote:
+                i = 0
+                while not self._stop.is_set():
+                    path = f"{self.prefix}{i:05d}"
+                    t = Transaction(remote, "v")
+                    t.write(path, content(path))
+                    t.commit()
+                    self.acked.append((path, time.monotonic()))
+                    i += 1
+        except BaseException as exc:  # noqa: BLE001 - the server went away: recorded
+            self.error = exc
+
+    def run_for(self, seconds: float) -> None:
+        self.thread.start()
+        time.sleep(seconds)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(30)
+
+
+def _lose_the_host(server: Server, store: Path) -> float:
+    """SIGKILL the server and delete its disk; returns when."""
+    assert server.proc is not None
+    server.proc.kill()
+    at = time.monotonic()
+    server.proc.wait()
+    shutil.rmtree(store)
+    return at
+
+
+def _survivors(store: Path, acked: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    with LocalStore(str(store)) as s:
+        t = Transaction(s, "v")
+        out = []
+        for path, when in acked:
+            try:
+                if t.read(path) == content(path):
+                    out.append((path, when))
+            except StrataError:
+                pass
+        report = s.fsck()
+        assert report["ok"], report
+    return out
+
+
+def _start(tmp: Path, url: str, sync: str) -> tuple[Server, Path]:
+    store = tmp / "host-a"
+    init_store(str(store), bucket=url, sync=sync, pack_size_limit=1 << 20)
+    server = Server(store).start()
+    with server.remote(retry_for=5.0) as owner:
+        owner.create_volume("v")
+    return server, store
+
+
+@pytest.mark.parametrize("sync", ["local", "bucket"])
+def test_a_lost_disk_loses_at_most_the_loss_window(bucket_url: str, tmp_path: Path,
+                                                   sync: str) -> None:
+    server, store = _start(tmp_path, bucket_url, sync)
+    pub = Publisher(server, "f")
+    try:
+        pub.run_for(3.0)  # small packs: several are sealed and uploaded meanwhile
+        killed = _lose_the_host(server, store)
+    finally:
+        pub.stop()
+        server.kill()
+    acked = [(p, t) for p, t in pub.acked if t <= killed]
+    assert len(acked) > 20, pub.error
+    report = restore(bucket_url, str(tmp_path / "host-b"))
+    assert report["packs_in_bucket"] >= 1, report  # read back lazily, not downloaded
+    survived = _survivors(tmp_path / "host-b", acked)
+    lost = [p for p, _t in acked if (p, _t) not in survived]
+    newest = max((t for _p, t in survived), default=0.0)
+    window = killed - newest if lost else 0.0
+    print(f"sync={sync}: {len(acked)} acknowledged, {len(lost)} lost; loss window "
+          f"{window * 1000:.0f} ms; restore {report['seconds'] * 1000:.0f} ms")
+    if sync == "bucket":
+        assert lost == [], lost[:5]
+    else:
+        # Publishes land in order, so what was lost is a suffix, and a short one.
+        assert [p for p, _t in acked[len(acked) - len(lost):]] == lost
+        assert window <= 5.0, window
+
+
+def test_a_takeover_fences_the_old_owner(bucket_url: str, tmp_path: Path) -> None:
+    """In strict mode the old owner's next publish is refused, and nothing is lost."""
+    server, store = _start(tmp_path, bucket_url, "bucket")
+    try:
+        with server.remote(retry_for=5.0) as owner:
+            for i in range(5):
+                t = Transaction(owner, "v")
+                t.write(f"a{i}", content(f"a{i}"))
+                t.commit()
+            restore(bucket_url, str(tmp_path / "host-b"), sync="bucket")
+            t = Transaction(owner, "v")
+            t.write("after-takeover", b"must not land")
+            with pytest.raises(StrataError):
+                t.commit()
+        survived = _survivors(tmp_path / "host-b", [(f"a{i}", 0.0) for i in range(5)])
+        assert len(survived) == 5
+        with LocalStore(str(tmp_path / "host-b")) as s:
+            assert Transaction(s, "v").lookup("after-takeover") is None
+        # The old store cannot be opened again as an owner: it was taken over.
+        server.kill()
+        with pytest.raises(StrataError, match="taken over"):
+            LocalStore(str(store))
+    finally:
+        server.kill()
+
+
+def test_a_damaged_pack_in_the_bucket_is_an_error_naming_it(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/bucket"
+    store = tmp_path / "a"
+    init_store(str(store), bucket=url, pack_size_limit=1 << 20)
+    with LocalStore(str(store)) as s:
+        s.create_volume("v")
+        for i in range(40):
+            t = Transaction(s, "v")
+            t.write(f"f{i}", os.urandom(60_000))
+            t.commit()
+    shutil.rmtree(store)
+    restore(url, str(tmp_path / "b"))
+    packs = sorted((tmp_path / "bucket" / "packs").iterdir())
+    assert packs
+    victim = packs[0]
+    data = bytearray(victim.read_bytes())
+    for i in range(100, len(data), 997):
+        data[i] ^= 0x55
+    victim.write_bytes(bytes(data))
+    with LocalStore(str(tmp_path / "b")) as s:
+        report = s.fsck()
+    assert not report["ok"]
+    assert any("00000001" in str(d) for d in report["damaged"]), report["damaged"][:3]
+
+
+def test_the_cli_inits_restores_and_reports(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/bucket"
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli("init", "--bucket", url, store=a).returncode == 0
+    assert cli("volume", "create", "v", store=a).returncode == 0
+    assert cli("put", "v", "hello", input=b"hi there", store=a).returncode == 0
+    p = cli("stats", "--json", store=a)
+    assert p.returncode == 0 and b'"bucket": "file://' in p.stdout, p.stderr
+    assert cli("serve", "--stop", store=a).returncode == 0
+    shutil.rmtree(a)
+    p = cli("restore", "--bucket", url, store=b)
+    assert p.returncode == 0 and b"restored" in p.stdout, p.stderr
+    p = cli("cat", "v", "hello", store=b)
+    assert (p.returncode, p.stdout) == (0, b"hi there"), p.stderr

@@ -143,7 +143,9 @@ def _state(args: argparse.Namespace) -> Any:
 
 
 def cmd_commit(args: argparse.Namespace) -> int:
+    from strata.memtrim import return_large_buffers_to_the_os
     from strata.mount.session import commit
+    return_large_buffers_to_the_os()  # upload batches of big files are freed for real
     state = _state(args)
     with _store_for(args, state) as store:
         result = commit(store, state, message=args.message, names=args.volumes,

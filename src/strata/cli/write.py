@@ -121,6 +121,8 @@ def _progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from strata.memtrim import return_large_buffers_to_the_os
+    return_large_buffers_to_the_os()  # upload batches of big files are freed for real
     ref = parse_ref(args.ref)
     branch = ref.need_branch()
     src = args.dir

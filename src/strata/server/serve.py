@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import http.client
 import os
 import signal
@@ -25,6 +23,7 @@ from aiohttp import web
 
 from strata.engine.errors import InvalidInput, Unavailable
 from strata.engine.local import LocalStore, StoreConfig, read_store_meta
+from strata.memtrim import return_large_buffers_to_the_os
 from strata.server.app import ServerState, make_app
 from strata.server.client import _UnixConnection, default_socket
 from strata.server.tokens import TokenStore
@@ -84,20 +83,6 @@ def _owner_connection(path: str) -> _UnixConnection | None:
     return conn
 
 
-def _return_large_buffers_to_the_os() -> None:
-    """Make glibc hand every buffer of 1 MiB or more straight back to the OS when freed.
-
-    By default glibc raises its mmap threshold (up to 32 MiB) each time a large
-    buffer is freed, so later large buffers come from per-thread heaps that
-    keep the memory after it is freed: 32 API threads each keeping a few
-    16 MiB objects would leave the server's memory bounded by luck, not by its
-    budgets. A fixed threshold keeps the body and answer budgets honest.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 1024 * 1024)  # M_MMAP_THRESHOLD (not glibc: no effect)
-
-
 async def run_server(store_dir: str, listens: list[str], *, takeover: bool = False,
                      config: StoreConfig | None = None,
                      on_ready: object = None,
@@ -105,7 +90,7 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     """Serve `store_dir` until stopped or handed off; returns what happened."""
     store_dir = os.path.abspath(store_dir)
     read_store_meta(store_dir)  # a clear error if this is not a store
-    _return_large_buffers_to_the_os()
+    return_large_buffers_to_the_os()  # keeps the body and answer budgets honest
     result = ServeResult()
     # The store's own socket is always served: --takeover, --stop and the CLI reach the
     # owner through it, whatever else it listens on.

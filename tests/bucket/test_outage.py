@@ -85,7 +85,7 @@ def test_the_default_mode_publishes_through_an_outage_and_catches_up(
         deadline = time.monotonic() + 30
         while s._tier.report()["unshipped_bytes"] and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert s._tier.report()["unshipped_bytes"] == 0
+        assert s._tier.report()["unshipped_bytes"] == 0, s._tier.report()
         assert s._tier.failed is None
     shutil.rmtree(tmp_path / "a")
     _all_there(url, tmp_path / "b", done)

@@ -23,7 +23,7 @@ STORE_MAGIC = "strata-store"
 STORE_VERSION = 1
 
 
-BUCKET_PACK_SIZE = 16 * 1024 * 1024  # default pack size limit of a store kept in a bucket
+BUCKET_PACK_SIZE = 4 * 1024 * 1024  # default pack size limit of a store kept in a bucket
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,13 +74,13 @@ def _write_file(path: str, data: bytes) -> None:
     os.rename(tmp, path)
 
 
-def pack_object_name(number: int, epoch: int) -> str:
+def pack_object_name(number: int, epoch: int, attempt: str) -> str:
     """A sealed pack's bucket name, unique to its uploader's epoch.
 
     Owners never share a name: a pack rebuilt by a restore may differ from the
     same-numbered pack its old owner went on writing.
     """
-    return f"packs/{packfmt.pack_name(number)[:-5]}-{epoch}.pack"
+    return f"packs/{packfmt.pack_name(number)[:-5]}-{epoch}-{attempt}.pack"
 
 
 class TieredPacks(PackStore):
@@ -210,17 +210,16 @@ class TieredPacks(PackStore):
     # -- uploads and checkpoints ----------------------------------------------------------
 
     def _upload(self, number: int) -> None:
-        name = pack_object_name(number, self.log.epoch or 0)
+        # A fresh name per attempt: an attempt cut short by an outage can leave an
+        # object behind, and a create-only name cannot be written twice.
+        name = pack_object_name(number, self.log.epoch or 0, os.urandom(4).hex())
         size = self.local.size(number)
         with self.local.mapped(number) as data:
             body = bytes(data)
-        with contextlib.suppress(Exception):  # an earlier attempt may have landed
-            if self.bucket.size(name) == size:
-                self.remote[number] = (name, size)
-                return
-        self.bucket.put(name, body)
+        self.bucket.put_new(name, body)
         if self.bucket.size(name) != size:
-            raise StoreFailed(f"bucket copy of {name} has the wrong size")
+            raise BucketUnavailable(f"bucket copy of {name} has the wrong size; "
+                                    "uploading it again")
         with self._lock:
             self.remote[number] = (name, size)
             self._changed = True

@@ -19,3 +19,6 @@ def return_large_buffers_to_the_os() -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt(-3, 1024 * 1024)  # M_MMAP_THRESHOLD (not glibc: no effect)
+        # Fixing that threshold also fixes the trim threshold at 128 KiB, so the heap
+        # would shrink and grow again around every request body: keep up to 32 MiB.
+        libc.mallopt(-1, 32 * 1024 * 1024)  # M_TRIM_THRESHOLD

@@ -341,27 +341,35 @@ async def get_object(request: web.Request) -> web.Response:
     scope = _scope(request)
     store = state.need_store()
 
-    def size() -> int:
+    def small_or_size() -> bytes | int:
+        """The object if it is small (one trip to the executor), else its size."""
         if _out_of_reach(scope, store, [oid]) is not None:
             raise no_object(oid)
-        return store.object_size(oid)
+        n = store.object_size(oid)
+        return store.get_object(oid) if n < LARGE_BODY else n
 
-    async with state.answers.hold(await state.run(size)):
-        raw = await state.run(store.get_object, oid)
-        rng = request.http_range
-        state.served["objects_served"] += 1
-        if rng.start is not None or rng.stop is not None:
-            start, stop, _step = rng.indices(len(raw))
-            state.served["bytes_served"] += max(stop - start, 0)
-            if start >= len(raw) and len(raw) > 0:
-                return web.json_response({"error": "InvalidInput",
-                                          "message": "range not satisfiable"}, status=416)
-            return await _send(request, web.Response(
-                body=raw[start:stop], status=206, content_type="application/octet-stream",
-                headers={"Content-Range": f"bytes {start}-{max(stop - 1, start)}/{len(raw)}"}))
-        state.served["bytes_served"] += len(raw)
-        return await _send(request, web.Response(body=raw,
-                                                 content_type="application/octet-stream"))
+    got = await state.run(small_or_size)
+    if not isinstance(got, int):  # small answers never wait, as small bodies never do
+        return await _answer_object(request, got)
+    async with state.answers.hold(got):
+        return await _answer_object(request, await state.run(store.get_object, oid))
+
+
+async def _answer_object(request: web.Request, raw: bytes) -> web.Response:
+    state = request.app[STATE]
+    rng = request.http_range
+    state.served["objects_served"] += 1
+    if rng.start is not None or rng.stop is not None:
+        start, stop, _step = rng.indices(len(raw))
+        state.served["bytes_served"] += max(stop - start, 0)
+        if start >= len(raw) and len(raw) > 0:
+            return web.json_response({"error": "InvalidInput",
+                                      "message": "range not satisfiable"}, status=416)
+        return await _send(request, web.Response(
+            body=raw[start:stop], status=206, content_type="application/octet-stream",
+            headers={"Content-Range": f"bytes {start}-{max(stop - 1, start)}/{len(raw)}"}))
+    state.served["bytes_served"] += len(raw)
+    return await _send(request, web.Response(body=raw, content_type="application/octet-stream"))
 
 
 async def get_objects(request: web.Request) -> web.Response:
@@ -381,7 +389,8 @@ async def get_objects(request: web.Request) -> web.Response:
     store = state.need_store()
     scope = _scope(request)
 
-    def plan() -> list[int]:
+    def plan() -> tuple[list[int], list[bytes] | None]:
+        """Sizes of the ids this answer covers; the objects too if they are small."""
         outside = _out_of_reach(scope, store, ids)
         if outside is not None:  # the answer for the first id the store lacks
             raise no_object(outside)
@@ -393,12 +402,15 @@ async def get_objects(request: web.Request) -> web.Response:
                 break
             sizes.append(n)
             total += n
-        return sizes
+        if total < LARGE_BODY:  # one trip to the executor, and no wait on the budget
+            return sizes, [store.get_object(oid) for oid in ids[:len(sizes)]]
+        return sizes, None
 
-    sizes = await state.run(plan)
+    sizes, raws = await state.run(plan)
     todo = ids[:len(sizes)]
     async with state.answers.hold(sum(sizes)):
-        raws = await state.run(lambda: [store.get_object(oid) for oid in todo])
+        if raws is None:
+            raws = await state.run(lambda: [store.get_object(oid) for oid in todo])
         state.served["objects_served"] += len(raws)
         state.served["bytes_served"] += sum(len(r) for r in raws)
         body = wire.encode_blobs(raws)

@@ -109,8 +109,11 @@ def test_large_file_reads_fetch_only_the_blocks_read(menv: MountEnv,
         assert f.read(MIB) == data
     assert (m2 / "d07" / "f042.txt").read_text() == "file 7/42\n" * 20
     final = _served(lazy_vol)
-    assert final[0] - again[0] <= 1, (again, final)
-    assert final[1] - again[1] < 4096
+    # The 16 blocks of the read come from the cache. Kernel readahead may reach a
+    # few blocks past what the first mount happened to read (fresh-clone CI saw 4),
+    # so allow half of the read, never the read itself.
+    assert final[0] - again[0] <= 8, (again, final)
+    assert final[1] - again[1] <= 8 * BLOCK, (again, final)
     menv.unmount(m2)
 
 

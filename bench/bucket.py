@@ -21,6 +21,7 @@ from typing import Any
 
 import obstore
 
+from bench.engine import _pct
 from bench.report import row
 from strata.engine.bucket import Bucket
 from strata.engine.local import LocalStore, init_store
@@ -32,11 +33,6 @@ from bucketutil import BUCKET, Moto  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB
-
-
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(len(xs) * p))]
 
 
 def _raw_put_p50(bucket: Bucket, n: int) -> float:

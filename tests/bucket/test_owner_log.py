@@ -7,7 +7,6 @@ server (moto, on loopback).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,24 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bucketutil import BUCKET, FaultProxy, Moto  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moto]:
-    m = Moto(tmp_path_factory.mktemp("moto")).start()
-    try:
-        yield m
-    finally:
-        m.stop()
-
-
-@pytest.fixture(params=["file", "s3"])
-def bucket(request: pytest.FixtureRequest, tmp_path: Path,
-           monkeypatch: pytest.MonkeyPatch) -> Bucket:
-    if request.param == "file":
-        return Bucket(f"file://{tmp_path}/bucket")
-    moto: Moto = request.getfixturevalue("moto")
-    for k, v in moto.env().items():
-        monkeypatch.setenv(k, v)
-    return Bucket(f"s3://{BUCKET}/{tmp_path.name}")
+@pytest.fixture
+def bucket(bucket_url: str) -> Bucket:
+    return Bucket(bucket_url)
 
 
 def test_the_backend_honours_create_only_writes(bucket: Bucket) -> None:

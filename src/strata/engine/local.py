@@ -121,7 +121,8 @@ class LocalStore(Store):
         try:
             index = open_index(self.index_dir, self._packs, self.recovery)
             self._indexer = Indexer(index, lambda: self._journal.durable, self.recovery)
-            self._indexer.fallback = self._packs.locate
+            if self._tier is not None:  # a restored store's index comes lazily
+                self._indexer.fallback = self._tier.locate
             self._refs = Refs(index)
             self._journal = Journal(self._packs, self.store_id, self.config, self._refs,
                                     self._indexer)

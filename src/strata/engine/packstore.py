@@ -36,8 +36,6 @@ from strata.engine import pack as packfmt
 from strata.engine.errors import Corrupt
 from strata.engine.storedir import fsync_dir, make_private
 
-Loc = tuple[int, int, int, int]  # pack number, frame offset, frame length, object kind
-
 
 class PackWriter(ABC):
     """The open end of the one pack being appended to."""
@@ -106,14 +104,6 @@ class PackStore(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
-
-    def locate(self, oid: bytes) -> tuple[Loc | None, list[tuple[bytes, Loc]]]:
-        """Where an object the index lacks is, if these packs know.
-
-        A restored store's index is fetched lazily; with the answer comes the
-        block of index entries read to find it.
-        """
-        return None, []
 
 
 class LocalPacks(PackStore):

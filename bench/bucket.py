@@ -23,6 +23,7 @@ import obstore
 
 from bench.engine import _pct
 from bench.report import row
+from strata.engine import tier as tiermod
 from strata.engine.bucket import Bucket
 from strata.engine.local import LocalStore, init_store
 from strata.engine.tier import restore
@@ -173,28 +174,35 @@ def bench_restore(root: str, url: str, files: int, big: int, name: str) -> tuple
 
 
 def bench_cold_read(root: str, url: str, n: int) -> float:
-    """p50 of a 128 KiB read of a block that is only in the bucket (after a restore)."""
-    src = os.path.join(root, "cold-src")
+    """p50 of a 128 KiB read of a block whose pack was evicted (only in the bucket).
+
+    A pack whose windows miss twice is fetched back whole in the background;
+    that is turned off here so that every read measured is a cold ranged read.
+    """
+    src = os.path.join(root, "cold")
     init_store(src, bucket=url + "/cold", pack_size_limit=MIB)
-    with LocalStore(src) as s:
-        s.create_volume("v")
-        for i in range(n):
-            t = Transaction(s, "v")
-            t.write(f"f{i}", os.urandom(128 * KIB))
-            t.commit()
-    shutil.rmtree(src)
-    dst = os.path.join(root, "cold-dst")
-    restore(url + "/cold", dst)
     lat = []
-    with LocalStore(dst) as s:
-        t = Transaction(s, "v")
-        assert s._tier is not None
-        for i in range(n):
-            s._tier._windows.clear()  # cold: no read-ahead window left from the last read
-            t0 = time.perf_counter()
-            t.read(f"f{i}")
-            lat.append(time.perf_counter() - t0)
-    shutil.rmtree(dst)
+    fetch_back, tiermod.FETCH_BACK_AFTER = tiermod.FETCH_BACK_AFTER, 1 << 30
+    try:
+        with LocalStore(src) as s:
+            s.create_volume("v")
+            for i in range(n):
+                t = Transaction(s, "v")
+                t.write(f"f{i}", os.urandom(128 * KIB))
+                t.commit()
+            assert s._tier is not None
+            s._tier.flush()
+            assert s._tier.evict(0)
+            t = Transaction(s, "v")
+            for i in range(n):
+                s._tier._windows.clear()  # cold: no window left from the last read
+                t0 = time.perf_counter()
+                t.read(f"f{i}")
+                lat.append(time.perf_counter() - t0)
+            assert s._tier.stats["ranged_reads"] >= n // 2
+    finally:
+        tiermod.FETCH_BACK_AFTER = fetch_back
+    shutil.rmtree(src)
     return _pct(lat, 0.5)
 
 
@@ -254,7 +262,7 @@ def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
                         put_rate / MIB, "raw obstore PUT", ">= 80% of raw",
                         lower_is_better=False, met=up_rate >= 0.8 * put_rate))
         cold = bench_cold_read(work, url, 30 if quick else 100)
-        rows.append(row("bucket: cold 128 KiB read of a bucket-only block p50", cold * 1e3, "ms",
+        rows.append(row("bucket: cold 128 KiB read of an evicted block p50", cold * 1e3, "ms",
                         get50 * 1e3, "raw ranged GET p50", "<= 2x raw",
                         met=cold <= 2 * get50))
         files = 20_000 if quick else 100_000

@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -22,21 +23,30 @@ import time
 from pathlib import Path
 from typing import Any
 
+from strata.engine.errors import StrataError
+from strata.engine.local import LocalStore
+from strata.engine.txn import Transaction
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serverutil import free_port  # noqa: E402
+from serverutil import Server, free_port  # noqa: E402
 
 BUCKET = "strata-test"
 
 
 class Moto:
-    def __init__(self, log_dir: Path) -> None:
+    """moto on loopback; or, given `netns` and its address, on a host of the tests' own."""
+
+    def __init__(self, log_dir: Path, *, netns: str | None = None,
+                 address: str = "127.0.0.1") -> None:
         self.port = free_port()
         self.log = log_dir / f"moto-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.netns = netns
+        self.address = address
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.address}:{self.port}"
 
     def env(self, endpoint: str | None = None) -> dict[str, str]:
         return {"AWS_ENDPOINT_URL": endpoint or self.endpoint, "AWS_ACCESS_KEY_ID": "test",
@@ -44,13 +54,15 @@ class Moto:
                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
 
     def start(self) -> Moto:
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+            self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "moto.server",
+                                          "-H", "0.0.0.0" if self.netns else "127.0.0.1",
                                           "-p", str(self.port)], stdout=log, stderr=log)
         deadline = time.monotonic() + 30
         while True:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                socket.create_connection((self.address, self.port), timeout=0.2).close()
                 break
             except OSError:
                 assert time.monotonic() < deadline, self.log.read_text()
@@ -145,3 +157,65 @@ class FaultProxy:
 
 def set_env(env: dict[str, str]) -> None:
     os.environ.update(env)
+
+
+# -- publishing through a server, and what survived -------------------------------------
+
+
+def content(path: str, size: int = 20_000) -> bytes:
+    """`size` bytes (20 KB) that do not compress, different for every path."""
+    return random.Random(path).randbytes(size) + path.encode()
+
+
+class Publisher:
+    """Publishes one file per commit through the server's socket; notes each ack's time."""
+
+    def __init__(self, server: Server, prefix: str, size: int = 20_000) -> None:
+        self.server = server
+        self.prefix = prefix
+        self.size = size
+        self.acked: list[tuple[str, float]] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            with self.server.remote(retry_for=0.0) as remote:
+                i = 0
+                while not self._stop.is_set():
+                    path = f"{self.prefix}{i:05d}"
+                    t = Transaction(remote, "v")
+                    t.write(path, content(path, self.size))
+                    t.commit()
+                    self.acked.append((path, time.monotonic()))
+                    i += 1
+        except BaseException as exc:  # noqa: BLE001 - the server went away: recorded
+            self.error = exc
+
+    def run_for(self, seconds: float) -> None:
+        self.thread.start()
+        time.sleep(seconds)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(30)
+
+
+def survivors(store: Path, acked: list[tuple[str, float]], size: int = 20_000
+              ) -> list[tuple[str, float]]:
+    """The acknowledged files that read back whole from `store` (which must fsck clean)."""
+    with LocalStore(str(store)) as s:
+        t = Transaction(s, "v")
+        out = []
+        for path, when in acked:
+            try:
+                if t.read(path) == content(path, size):
+                    out.append((path, when))
+            except StrataError:
+                pass
+        report = s.fsck()
+        assert report["ok"], report
+    return out
+
+

@@ -33,10 +33,15 @@ def free_port() -> int:
 class Server:
     """One `strata serve` process on `store_dir` (the store must exist)."""
 
-    def __init__(self, store_dir: Path, *, tcp_port: int | None = None) -> None:
+    def __init__(self, store_dir: Path, *, tcp_port: int | None = None,
+                 args: tuple[str, ...] = (), prefix: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.store_dir = store_dir
         self.sock = default_socket(str(store_dir))
         self.tcp_port = tcp_port
+        self.args = args      # more `serve` options
+        self.prefix = prefix  # e.g. ("ip", "netns", "exec", NAME): serve on another "host"
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = store_dir.parent / f"{store_dir.name}-serve.log"
 
@@ -50,12 +55,14 @@ class Server:
         return f"http://127.0.0.1:{self.tcp_port}"
 
     def start(self, timeout: float = 20.0) -> Server:
-        cmd = [*STRATA, "serve", "--store", str(self.store_dir), "--listen", self.unix_url]
+        cmd = [*self.prefix, *STRATA, "serve", "--store", str(self.store_dir),
+               "--listen", self.unix_url, *self.args]
         if self.tcp_port is not None:
             cmd += ["--listen", f"tcp:127.0.0.1:{self.tcp_port}"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         env={**os.environ, **(self.env or {})})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             # The socket appears under its path only once the store is open.

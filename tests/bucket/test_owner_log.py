@@ -65,6 +65,17 @@ def test_a_takeover_fences_the_old_owner_at_its_next_write(bucket: Bucket) -> No
                      ("group", e2, b"two")]
 
 
+def test_an_idle_owner_finds_its_successor_without_writing(bucket: Bucket) -> None:
+    old = OwnerLog(bucket)
+    old.claim("host-a")
+    old.check_owner()  # nobody else: nothing happens
+    e2 = OwnerLog(bucket).claim("host-b")
+    with pytest.raises(Fenced, match=f"epoch {e2}"):
+        old.check_owner()
+    with pytest.raises(Fenced):
+        old.append("group", frames=b"lost")
+
+
 def test_the_end_of_the_log_is_found_from_any_hint(bucket: Bucket) -> None:
     log = OwnerLog(bucket)
     assert log.find_end() == 0

@@ -9,10 +9,8 @@ old files are read back through ranged reads of the bucket's packs.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,46 +22,8 @@ from strata.engine.tier import restore
 from strata.engine.txn import Transaction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bucketutil import Publisher, content, survivors  # noqa: E402
 from serverutil import Server, cli  # noqa: E402
-
-
-def content(path: str) -> bytes:
-    """20 KB that do not compress, different for every path."""
-    return random.Random(path).randbytes(20_000) + path.encode()
-
-
-class Publisher:
-    """Publishes one file per commit through the server's socket; notes each ack's time."""
-
-    def __init__(self, server: Server, prefix: str) -> None:
-        self.server = server
-        self.prefix = prefix
-        self.acked: list[tuple[str, float]] = []
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            with self.server.remote(retry_for=0.0) as remote:
-                i = 0
-                while not self._stop.is_set():
-                    path = f"{self.prefix}{i:05d}"
-                    t = Transaction(remote, "v")
-                    t.write(path, content(path))
-                    t.commit()
-                    self.acked.append((path, time.monotonic()))
-                    i += 1
-        except BaseException as exc:  # noqa: BLE001 - the server went away: recorded
-            self.error = exc
-
-    def run_for(self, seconds: float) -> None:
-        self.thread.start()
-        time.sleep(seconds)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(30)
 
 
 def _lose_the_host(server: Server, store: Path) -> float:
@@ -74,21 +34,6 @@ def _lose_the_host(server: Server, store: Path) -> float:
     server.proc.wait()
     shutil.rmtree(store)
     return at
-
-
-def _survivors(store: Path, acked: list[tuple[str, float]]) -> list[tuple[str, float]]:
-    with LocalStore(str(store)) as s:
-        t = Transaction(s, "v")
-        out = []
-        for path, when in acked:
-            try:
-                if t.read(path) == content(path):
-                    out.append((path, when))
-            except StrataError:
-                pass
-        report = s.fsck()
-        assert report["ok"], report
-    return out
 
 
 def _start(tmp: Path, url: str, sync: str) -> tuple[Server, Path]:
@@ -115,7 +60,7 @@ def test_a_lost_disk_loses_at_most_the_loss_window(bucket_url: str, tmp_path: Pa
     assert len(acked) > 20, pub.error
     report = restore(bucket_url, str(tmp_path / "host-b"))
     assert report["packs_in_bucket"] >= 1, report  # read back lazily, not downloaded
-    survived = _survivors(tmp_path / "host-b", acked)
+    survived = survivors(tmp_path / "host-b", acked)
     lost = [p for p, _t in acked if (p, _t) not in survived]
     newest = max((t for _p, t in survived), default=0.0)
     window = killed - newest if lost else 0.0
@@ -143,7 +88,7 @@ def test_a_takeover_fences_the_old_owner(bucket_url: str, tmp_path: Path) -> Non
             t.write("after-takeover", b"must not land")
             with pytest.raises(StrataError):
                 t.commit()
-        survived = _survivors(tmp_path / "host-b", [(f"a{i}", 0.0) for i in range(5)])
+        survived = survivors(tmp_path / "host-b", [(f"a{i}", 0.0) for i in range(5)])
         assert len(survived) == 5
         with LocalStore(str(tmp_path / "host-b")) as s:
             assert Transaction(s, "v").lookup("after-takeover") is None
@@ -151,6 +96,26 @@ def test_a_takeover_fences_the_old_owner(bucket_url: str, tmp_path: Path) -> Non
         server.kill()
         with pytest.raises(StrataError, match="taken over"):
             LocalStore(str(store))
+    finally:
+        server.kill()
+
+
+def test_an_idle_old_owner_notices_the_takeover_and_stops(bucket_url: str,
+                                                           tmp_path: Path) -> None:
+    """No write of its own is needed: an idle owner looks for a successor's claim."""
+    server, store = _start(tmp_path, bucket_url, "local")
+    try:
+        with server.remote(retry_for=5.0) as owner:
+            t = Transaction(owner, "v")
+            t.write("a", b"before")
+            t.commit()
+        time.sleep(3.0)  # shipped and checkpointed: the old owner goes idle
+        restore(bucket_url, str(tmp_path / "host-b"))
+        assert server.proc is not None
+        assert server.proc.wait(15) == 3
+        assert "taken over" in server.log.read_text(errors="replace")
+        with LocalStore(str(tmp_path / "host-b")) as s:
+            assert Transaction(s, "v").read("a") == b"before"
     finally:
         server.kill()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from strata.cli.common import open_store, print_json, store_path
+from strata.cli.common import Progress, open_store, parse_size, print_json, store_path
 from strata.engine.local import LocalStore, init_store
 from strata.server.client import RemoteStore
 
@@ -17,12 +17,17 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                         "az://… or file:///PATH (credentials from the usual environment)")
     p.add_argument("--sync", choices=["local", "bucket"], default="local",
                    help="bucket: acknowledge a publish only once the bucket holds it")
+    p.add_argument("--cache-size", type=parse_size, default=None, metavar="BYTES",
+                   help="with --bucket: local disk budget; packs safely in the bucket are "
+                        "evicted above it, least recently read first")
     p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("restore", parents=[common],
                        help="make --store a copy of the store in a bucket (no download)")
     p.add_argument("--bucket", metavar="URL", required=True)
     p.add_argument("--sync", choices=["local", "bucket"], default="local")
+    p.add_argument("--cache-size", type=parse_size, default=None, metavar="BYTES",
+                   help="local disk budget (see init)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_restore)
 
@@ -43,7 +48,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     if args.bucket:
         from strata.engine.bucket import Bucket  # obstore: only with a bucket
         Bucket(args.bucket).check_conditional()
-    init_store(path, bucket=args.bucket, sync=args.sync)
+    init_store(path, bucket=args.bucket, sync=args.sync, cache_size=args.cache_size)
     print(f"strata store at {path}" + (f", kept in {args.bucket}" if args.bucket else ""))
     return 0
 
@@ -51,7 +56,12 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_restore(args: argparse.Namespace) -> int:
     from strata.engine.tier import restore
     path = store_path(args)
-    report = restore(args.bucket, path, sync=args.sync)
+    progress = Progress("replaying the log")
+    try:
+        report = restore(args.bucket, path, sync=args.sync, cache_size=args.cache_size,
+                         progress=progress)
+    finally:
+        progress.close()
     if args.json:
         print_json(report)
     else:

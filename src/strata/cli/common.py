@@ -202,6 +202,43 @@ def show_path(path: str) -> str:
     return quote_path(path) if sys.stdout.isatty() else path
 
 
+def parse_size(text: str) -> int:
+    """A byte count as typed: 512, 64K, 1.5G."""
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:].upper(), 1)
+    try:
+        value = int(float(text[:-1] if mult > 1 else text) * mult)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError("size must be positive")
+    return value
+
+
+class Progress:
+    """A restore's progress on stderr: a line redrawn on a terminal, a line every 2 s in a log."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.tty = sys.stderr.isatty()
+        self.every = 0.25 if self.tty else 2.0
+        self.started = self.shown = time.monotonic()
+        self.drawn = False
+
+    def __call__(self, done: int, total: int, nbytes: int) -> None:
+        now = time.monotonic()
+        if now - self.shown < self.every or now - self.started < 1.0:
+            return  # quick work shows nothing
+        self.shown = now
+        line = f"strata: {self.what}: {done}/{total} log records, {nbytes / 2**20:.1f} MiB"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n",
+              file=sys.stderr, flush=True)
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn and self.tty:
+            print(file=sys.stderr)
+
+
 def print_json(value: Any) -> None:
     json.dump(value, sys.stdout, indent=2)
     sys.stdout.write("\n")

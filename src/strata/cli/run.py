@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from strata.cli.common import open_remote, print_json, quote_path
+from strata.cli.common import open_remote, parse_size, print_json, quote_path
 from strata.engine.errors import InvalidInput
 
 
@@ -20,7 +20,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    metavar="SPEC", help="a volume for the step (repeatable)")
     p.add_argument("--sandbox", choices=("none", "bwrap", "gvisor"), default="bwrap")
     p.add_argument("--timeout", type=float, default=None, metavar="S")
-    p.add_argument("--memory", type=_size, default=None, metavar="BYTES",
+    p.add_argument("--memory", type=parse_size, default=None, metavar="BYTES",
                    help="memory limit (suffixes K, M, G allowed)")
     p.add_argument("--network", action="store_true", help="allow network access")
     p.add_argument("-m", "--message", default=None)
@@ -31,17 +31,6 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
     p.set_defaults(func=cmd_run)
-
-
-def _size(text: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
-    try:
-        value = int(float(text[:-1] if mult > 1 else text) * mult)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from exc
-    if value <= 0:
-        raise argparse.ArgumentTypeError("size must be positive")
-    return value
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import asyncio
 import sys
 from typing import Any
 
-from strata.cli.common import open_remote, print_json, store_path
+from strata.cli.common import Progress, open_remote, parse_size, print_json, store_path
 from strata.server.client import default_socket
 
 
@@ -18,7 +18,17 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="unix:PATH or tcp:HOST:PORT (repeatable; the unix socket "
                         "STORE/serve.sock is always served too); TCP clients need a token")
     p.add_argument("--takeover", action="store_true",
-                   help="ask the running owner to hand the store over, then serve it")
+                   help="ask the running owner to hand the store over, then serve it; with "
+                        "--bucket, fence the bucket's owner (on any host) and serve here")
+    p.add_argument("--bucket", metavar="URL",
+                   help="serve the store kept in this bucket: create it there if the "
+                        "bucket is empty, restore it here (no download) with --takeover")
+    p.add_argument("--sync", choices=["local", "bucket"], default="local",
+                   help="for a store --bucket creates or restores: bucket acknowledges a "
+                        "publish only once the bucket holds it")
+    p.add_argument("--cache-size", type=parse_size, default=None, metavar="BYTES",
+                   help="local disk budget of a bucket store: packs safely in the bucket "
+                        "are evicted above it, least recently read first")
     p.add_argument("--stop", action="store_true", help="stop the running server")
     p.add_argument("--idle-exit", type=float, default=None, metavar="S",
                    help="exit after S seconds without requests")
@@ -55,6 +65,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("stopped" if stopped else "no server was running", file=sys.stderr)
         return 0
 
+    if args.bucket:
+        from strata.engine.tier import prepare  # obstore: only with a bucket
+        progress = Progress("replaying the log")
+        try:
+            done = prepare(path, args.bucket, takeover=args.takeover, sync=args.sync,
+                           cache_size=args.cache_size, progress=progress)
+        finally:
+            progress.close()
+        if done != "opened":
+            print(f"strata: {done} {path} from {args.bucket}", file=sys.stderr, flush=True)
+    if args.cache_size is not None:
+        from strata.engine.storedir import set_cache_size
+        set_cache_size(path, args.cache_size)
+
     def ready(result: ServeResult) -> None:
         where = ", ".join(args.listen) or f"unix:{default_socket(path)}"
         print(f"strata: serving {path} on {where}", file=sys.stderr, flush=True)
@@ -66,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                     idle_exit=args.idle_exit))
     if result.notes:
         print(f"strata: {'; '.join(result.notes)}", file=sys.stderr)
-    return 0
+    return 3 if result.fenced else 0
 
 
 def cmd_token_create(args: argparse.Namespace) -> int:

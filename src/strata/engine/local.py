@@ -171,11 +171,13 @@ class LocalStore(Store):
         if loc is None:
             raise no_object(oid)
         frame = self._packs.pread(loc[0], loc[2], loc[1])
-        name = packfmt.pack_name(loc[0])
+        name = self._packs.label(loc[0])
         kind, stored_id, raw = packfmt.decode_object(frame, self._packs.info(loc[0]).sync,
                                                      name, loc[1])
         if stored_id != oid:
             raise Corrupt(name, loc[1], f"index points at {stored_id.hex()}, not {oid.hex()}")
+        if self._packs.verify_reads(loc[0]) and object_id(kind, raw) != oid:
+            raise Corrupt(name, loc[1], f"object {oid.hex()} does not hash to its id")
         return raw
 
     def reachable(self, volume: str, oids: Sequence[bytes]) -> list[bool]:
@@ -637,6 +639,14 @@ class LocalStore(Store):
     def sync_index(self) -> None:
         """Write everything durable into LMDB now (normally the indexer does this)."""
         self._indexer.flush()
+
+    def fenced(self) -> str | None:
+        """Why this process may no longer write the store, if another owner took it over."""
+        if self._tier is None:
+            return None
+        from strata.engine.bucket import Fenced
+        failed = self._tier.failed
+        return str(failed) if isinstance(failed, Fenced) else None
 
     def tier_report(self) -> dict[str, Any] | None:
         """The bucket tier's state (None for a store without a bucket)."""

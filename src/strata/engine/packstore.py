@@ -78,6 +78,17 @@ class PackStore(ABC):
     def mapped(self, number: int) -> AbstractContextManager[packfmt.Buffer]:
         """The whole pack's bytes, for a scan, while the context lasts."""
 
+    def label(self, number: int) -> str:
+        """How errors name the pack: where its bytes were read from."""
+        return packfmt.pack_name(number)
+
+    def verify_reads(self, number: int) -> bool:
+        """Whether objects read from this pack must be hashed against their ids.
+
+        True for bytes that came from outside the store's own disk.
+        """
+        return False
+
     @abstractmethod
     def create(self, number: int, header: bytes) -> PackWriter:
         """Make a new pack holding `header`; it and its header are durable on return."""

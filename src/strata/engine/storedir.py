@@ -39,7 +39,7 @@ class StoreConfig:
 def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
                pack_size_limit: int | None = None, pack_age_limit: float | None = None,
                bucket: str | None = None, sync: str = "local",
-               store_id: str | None = None) -> None:
+               store_id: str | None = None, cache_size: int | None = None) -> None:
     """Create an empty store directory (idempotent on an existing store)."""
     if not 4096 <= block_size <= 16 * 1024 * 1024:
         raise InvalidInput("block size must be between 4 KiB and 16 MiB")
@@ -60,6 +60,10 @@ def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
             raise InvalidInput("sync is 'local' or 'bucket'")
         settings["bucket"] = bucket
         settings["sync"] = sync
+        if cache_size is not None:
+            settings["cache_size"] = _check_cache_size(cache_size)
+    elif cache_size is not None:
+        raise InvalidInput("a cache size needs a bucket: without one every pack is local")
     if pack_size_limit is not None:
         if pack_size_limit < 1024 * 1024:
             raise InvalidInput("pack size limit must be at least 1 MiB")
@@ -68,6 +72,29 @@ def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
         if pack_age_limit <= 0:
             raise InvalidInput("pack age limit must be positive")
         settings["pack_age_limit"] = pack_age_limit
+    _write_meta(path, settings)
+
+
+def _check_cache_size(size: int) -> int:
+    if size < 16 * 1024 * 1024:
+        raise InvalidInput("the cache size must be at least 16 MiB")
+    return size
+
+
+def set_cache_size(path: str, size: int | None) -> None:
+    """Change a bucket store's local disk budget (the next open applies it)."""
+    settings = read_store_meta(path)
+    if not settings.get("bucket"):
+        raise InvalidInput(f"{path} has no bucket: without one every pack is local")
+    if size is None:
+        settings.pop("cache_size", None)
+    else:
+        settings["cache_size"] = _check_cache_size(size)
+    _write_meta(path, settings)
+
+
+def _write_meta(path: str, settings: dict[str, Any]) -> None:
+    meta = os.path.join(path, "STRATA")
     body = json.dumps(settings, sort_keys=True)
     tmp = meta + ".tmp"
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:

@@ -25,8 +25,15 @@ so the whole tier is this one implementation wrapped around `LocalPacks`:
   refuses to acknowledge anything more (its datasync raises).
 
 Pack bytes of packs that are only in the bucket are read with ranged GETs in
-aligned windows kept in a bounded memory cache; a scan (`mapped`) downloads
-the pack into the local directory first.
+aligned windows kept in a bounded memory cache, and every object read from
+them is checked against its id (`verify_reads`). A pack read again and again
+is fetched back whole into the local directory in the background, and a scan
+(`mapped`) fetches it first.
+
+**Eviction** keeps the local directory under a budget (`cache_size`): packs
+named by the last checkpoint this owner wrote (so a reopened store still knows
+they are in the bucket) are dropped, least recently read first, once no read
+is using them.
 
 Durability ordering is in docs/design.md ("The bucket tier").
 """
@@ -40,8 +47,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from strata.engine import pack as packfmt
@@ -55,9 +61,14 @@ from strata.engine.storedir import init_store
 SHIP_INTERVAL = 0.5        # default mode: seconds between segment records
 SHIP_BYTES = 8 << 20       # ... or sooner once this much is pending
 SEGMENT_MAX = 32 << 20     # bytes of chunks in one segment record
+RESHIP_CHUNK = 4 << 20     # an unsealed pack shipped again at open goes in chunks this big
 CHECKPOINT_INTERVAL = 2.0  # seconds between checkpoints while the store changes
 WINDOW = 1 << 20           # ranged reads of bucket-only packs, in aligned windows
 WINDOW_CACHE = 64          # windows kept in memory
+FETCH_BACK_AFTER = 2       # window misses of one bucket-only pack before it is fetched whole
+EVICT_INTERVAL = 1.0       # seconds between checks of the local budget
+FENCE_CHECK_INTERVAL = 1.0  # an idle owner looks for a successor's claim this often
+Progress = Callable[[int, int, int], None]  # records done, records in all, bytes so far
 Chunk = tuple[int, int, bytes | None]  # pack, offset, bytes (None: cut the pack here)
 Loc = tuple[int, int, int, int]
 BUCKET_META = "strata-bucket"
@@ -87,14 +98,16 @@ class TieredPacks(PackStore):
     """Local packs, with every byte also shipped to the bucket (see the module docstring)."""
 
     def __init__(self, local: LocalPacks, bucket: Bucket, log: OwnerLog, *, strict: bool,
-                 checkpoint: Checkpoint | None = None) -> None:
+                 checkpoint: Checkpoint | None = None, cache_size: int | None = None) -> None:
         self.local = local
         self.bucket = bucket
         self.log = log
         self.strict = strict
+        self.cache_size = cache_size
         self.failed: BaseException | None = None
         self._lock = threading.Lock()          # pending chunks and the maps below
         self._ship_lock = threading.Lock()     # one segment write at a time, in order
+        self._work_lock = threading.Lock()     # the background pass, or a flush
         self._pending: list[Chunk] = []
         self._pending_bytes = 0
         self._shipped_at = time.monotonic()
@@ -112,6 +125,18 @@ class TieredPacks(PackStore):
             self._run = RunReader(run, checkpoint.fences, checkpoint.entries,
                                   lambda s, e: self.bucket.get_range(run, s, e))
         self._run_blocks: set[int] = set()
+        # The local directory, as the tier sees it: which packs are there, which reads
+        # are using one (eviction waits for them), when each was last read.
+        self._local: set[int] = set(local.numbers())
+        self._reading: collections.Counter[int] = collections.Counter()
+        self._last_read: dict[int, float] = {}
+        self._misses: collections.Counter[int] = collections.Counter()
+        self._fetches: collections.deque[int] = collections.deque()
+        # Packs the last checkpoint this owner saved names as uploaded: only these may
+        # be evicted, since a reopened store learns where packs are from that file.
+        self._checkpointed: set[int] = set(checkpoint.packs) if checkpoint else set()
+        self._evict_checked = 0.0
+        self._fence_checked = 0.0
         self._log_from_at_open = checkpoint.log_from if checkpoint is not None else 0
         self._index: Index | None = None
         self._state_dir: str | None = None
@@ -122,7 +147,7 @@ class TieredPacks(PackStore):
         self.stats = {"segments": 0, "segment_bytes": 0, "packs_uploaded": 0,
                       "bytes_uploaded": 0, "checkpoints": 0, "ranged_reads": 0,
                       "last_checkpoint": 0.0, "last_ship": 0.0, "max_unshipped_ms": 0.0,
-                      "outages": 0}
+                      "outages": 0, "evicted": 0, "evicted_bytes": 0, "fetched_back": 0}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -136,7 +161,7 @@ class TieredPacks(PackStore):
         self._store_id = store_id
         self._block_size = block_size
         inherited = self._log_from_at_open
-        for n in self.local.numbers():
+        for n in sorted(self._local):
             if n in self.remote:
                 continue
             # Bytes written before this open are in the log from the last checkpoint's
@@ -144,8 +169,23 @@ class TieredPacks(PackStore):
             self._first_seq[n] = inherited
             if self._sealed(n):  # sealed, and a previous run did not upload it
                 self._uploads.append(n)
+            else:
+                self._reship(n)
         self._thread = threading.Thread(target=self._loop, name="strata-tier", daemon=True)
         self._thread.start()
+
+    def _reship(self, number: int) -> None:
+        """Ship an unsealed pack whole again, as it is after recovery.
+
+        A killed owner may have written bytes it never shipped (the default mode
+        ships after acknowledging), and appends from here on ship only what is
+        new: without this, a restore would rebuild the pack with a hole. Chunks
+        apply in log order, so this copy wins over whatever was shipped before.
+        """
+        size = self.local.size(number)
+        for offset in range(0, size, RESHIP_CHUNK):
+            self._record((number, offset, self.local.pread(number, RESHIP_CHUNK, offset)))
+        self._record((number, size, None))  # and nothing past it
 
     def _sealed(self, number: int) -> bool:
         return packfmt.is_sealed_at(lambda n, o: self.local.pread(number, n, o),
@@ -259,6 +299,8 @@ class TieredPacks(PackStore):
                 raise
         self.log.write_hint()
         self._save_state(data)
+        with self._lock:
+            self._checkpointed = set(remote)
         self._checkpointed_at = time.monotonic()
         self.stats["checkpoints"] += 1
         self.stats["last_checkpoint"] = time.time()
@@ -286,6 +328,10 @@ class TieredPacks(PackStore):
                     self.failed = exc
 
     def _work(self) -> None:
+        with self._work_lock:
+            self._work_locked()
+
+    def _work_locked(self) -> None:
         if self.failed is not None:
             return
         now = time.monotonic()
@@ -297,33 +343,116 @@ class TieredPacks(PackStore):
             self._uploads.popleft()
         if self._changed and now - self._checkpointed_at >= CHECKPOINT_INTERVAL:
             self.checkpoint()
+        while self._fetches:
+            self._fetch_back(self._fetches[0])
+            self._fetches.popleft()
+        if self.cache_size is not None and now - self._evict_checked >= EVICT_INTERVAL:
+            self._evict_checked = now
+            self.evict(self.cache_size)
+        if now - max(self._shipped_at, self._fence_checked) >= FENCE_CHECK_INTERVAL:
+            # Idle: no write would notice a successor soon, so look for its claim.
+            self._fence_checked = now
+            self._check_successor()
+
+    def _check_successor(self) -> None:
+        with self._ship_lock:
+            self._check()
+            try:
+                self.log.check_owner()
+            except BucketUnavailable:
+                raise
+            except BaseException as exc:
+                self.failed = exc
+                raise
+
+    # -- the local directory as a cache ---------------------------------------------------
+
+    def evict(self, budget: int) -> list[int]:
+        """Drop checkpointed packs, least recently read first, until local bytes fit."""
+        with self._lock:
+            local = sorted(self._local)
+            candidates = [n for n in local if n in self._checkpointed]
+        sizes = {}
+        for n in local:
+            with contextlib.suppress(FileNotFoundError):
+                sizes[n] = self.local.size(n)
+        total = sum(sizes.values())
+        dropped: list[int] = []
+        candidates.sort(key=lambda n: (self._last_read.get(n, 0.0), n))
+        for n in candidates:
+            if total <= budget:
+                break
+            with self._lock:
+                if self._reading[n] or n not in self._local:
+                    continue  # in use: a later pass takes it
+                self._local.discard(n)  # new reads go to the bucket from now on
+            self.local.remove(n)
+            total -= sizes.get(n, 0)
+            self.stats["evicted"] += 1
+            self.stats["evicted_bytes"] += sizes.get(n, 0)
+            dropped.append(n)
+        return dropped
+
+    def _fetch_back(self, number: int) -> None:
+        with self._lock:
+            if number in self._local or number not in self.remote:
+                return
+        self._download(number)
+        self.stats["fetched_back"] += 1
+
+    @contextlib.contextmanager
+    def _using(self, number: int) -> Iterator[bool]:
+        """Whether `number` is read locally; if so, eviction leaves it alone meanwhile."""
+        with self._lock:
+            local = number in self._local or number not in self.remote
+            if local:
+                self._reading[number] += 1
+        try:
+            yield local
+        finally:
+            if local:
+                self._last_read[number] = time.monotonic()
+                with self._lock:
+                    self._reading[number] -= 1
+                    if not self._reading[number]:
+                        del self._reading[number]
 
     def flush(self) -> None:
         """Ship, upload and checkpoint everything now (close, tests, `strata stats`)."""
-        self.ship()
-        while self._uploads:
-            self._upload(self._uploads[0])
-            self._uploads.popleft()
-        if self._changed:
-            self.checkpoint()
+        with self._work_lock:
+            self.ship()
+            while self._uploads:
+                self._upload(self._uploads[0])
+                self._uploads.popleft()
+            if self._changed:
+                self.checkpoint()
 
     def report(self) -> dict[str, Any]:
         """What `strata stats` shows of the tier."""
         with self._lock:
             pending, remote = self._pending_bytes, dict(self.remote)
-        local = self.local.numbers()
+        with self._lock:
+            local = sorted(self._local)
         now = time.time()
         last = self.stats["last_checkpoint"]
         return {"bucket": self.bucket.url, "sync": "bucket" if self.strict else "local",
                 "epoch": self.log.epoch, "failed": str(self.failed) if self.failed else None,
-                "local_bytes": sum(self.local.size(n) for n in local),
+                "local_bytes": sum(self._local_size(n) for n in local),
                 "packs_local": len(local),
                 "packs_in_bucket": len(remote),
                 "packs_only_in_bucket": len(set(remote) - set(local)),
                 "bucket_pack_bytes": sum(size for _n, size in remote.values()),
                 "unshipped_bytes": pending, "uploads_queued": len(self._uploads),
+                "upload_queued_bytes": sum(self._local_size(n) for n in list(self._uploads)),
+                "cache_size": self.cache_size,
                 "last_checkpoint_age": round(now - last, 3) if last else None,
                 **{k: v for k, v in self.stats.items() if k != "last_checkpoint"}}
+
+    def _local_size(self, number: int) -> int:
+        try:
+            return self.local.size(number)
+        except FileNotFoundError:
+            return 0  # evicted meanwhile
 
     # -- the index a restore has not fetched -------------------------------------------
 
@@ -341,23 +470,29 @@ class TieredPacks(PackStore):
     # -- PackStore ------------------------------------------------------------------------
 
     def numbers(self) -> list[int]:
-        return sorted(set(self.local.numbers()) | set(self.remote))
-
-    def _is_local(self, number: int) -> bool:
-        try:
-            self.local.size(number)
-        except FileNotFoundError:
-            return False
-        return True
+        with self._lock:
+            return sorted(self._local | set(self.remote))
 
     def size(self, number: int) -> int:
-        if number in self.remote and not self._is_local(number):
+        with self._using(number) as local:
+            if local:
+                return self.local.size(number)
             return self.remote[number][1]
-        return self.local.size(number)
+
+    def label(self, number: int) -> str:
+        with self._lock:
+            if number in self._local or number not in self.remote:
+                return super().label(number)
+            return f"bucket object {self.remote[number][0]}"
+
+    def verify_reads(self, number: int) -> bool:
+        # What came from the bucket, now or before (fetched back), is checked against ids.
+        return number in self.remote
 
     def pread(self, number: int, length: int, offset: int) -> bytes:
-        if number not in self.remote or self._is_local(number):
-            return self.local.pread(number, length, offset)
+        with self._using(number) as local:
+            if local:
+                return self.local.pread(number, length, offset)
         name, size = self.remote[number]
         end = min(offset + length, size)
         out = bytearray()
@@ -385,29 +520,51 @@ class TieredPacks(PackStore):
             self._windows[key] = data
             while len(self._windows) > WINDOW_CACHE:
                 self._windows.popitem(last=False)
+            self._misses[number] += 1
+            if self._misses[number] == FETCH_BACK_AFTER:  # read again and again: keep it
+                self._fetches.append(number)
         return data
 
     def info(self, number: int) -> packfmt.PackInfo:
-        if number in self.remote and not self._is_local(number):
-            name = packfmt.pack_name(number)
-            return packfmt.read_header(self.pread(number, packfmt.HEADER_SIZE, 0), name)
-        return self.local.info(number)
+        with self._using(number) as local:
+            if local:
+                return self.local.info(number)
+        name = packfmt.pack_name(number)
+        return packfmt.read_header(self.pread(number, packfmt.HEADER_SIZE, 0), name)
 
-    def mapped(self, number: int) -> AbstractContextManager[packfmt.Buffer]:
-        if number in self.remote and not self._is_local(number):
-            self._download(number)
-        return self.local.mapped(number)
+    @contextlib.contextmanager
+    def mapped(self, number: int) -> Iterator[packfmt.Buffer]:
+        while True:
+            with self._using(number) as local:
+                if local:
+                    with self.local.mapped(number) as data:
+                        yield data
+                    return
+            self._download(number)  # a scan reads it all: fetch it back first
 
     def _download(self, number: int) -> None:
         name, size = self.remote[number]
         data = self.bucket.get(name)
         if len(data) != size:
-            raise NotFound(f"bucket object {name} is {len(data)} bytes, not {size}")
+            raise Corrupt(name, 0, f"the bucket object is {len(data)} bytes, not {size}")
+        if not packfmt.is_sealed_at(lambda n, o: data[o:o + n], size,
+                                    packfmt.pack_name(number)):
+            raise Corrupt(name, 0, "the bucket object does not end with a valid seal")
+        with self._lock:
+            if number in self._local:
+                return  # another reader fetched it meanwhile
         self.local.adopt(number, data)
+        with self._lock:
+            self._local.add(number)
+            self._misses.pop(number, None)
+            for key in [k for k in self._windows if k[0] == number]:
+                del self._windows[key]
 
     def create(self, number: int, header: bytes) -> PackWriter:
         self._check()
         w = self.local.create(number, header)
+        with self._lock:
+            self._local.add(number)
         self._record((number, 0, header))
         return _TierWriter(self, w, number, len(header))
 
@@ -417,7 +574,10 @@ class TieredPacks(PackStore):
                            self.local.size(number))
 
     def sync(self, number: int) -> None:
-        self.local.sync(number)
+        with self._using(number) as local:
+            if local:
+                self.local.sync(number)
+        # Otherwise only in the bucket: sealed, and durable there.
 
     def seal(self, number: int) -> None:
         self.local.seal(number)
@@ -429,6 +589,8 @@ class TieredPacks(PackStore):
 
     def remove(self, number: int) -> None:
         self.local.remove(number)
+        with self._lock:
+            self._local.discard(number)
         self._record((number, 0, None))
 
     def close(self) -> None:
@@ -488,7 +650,7 @@ class _TierWriter(PackWriter):
 
 
 def apply_segments(local: LocalPacks, log: OwnerLog, start: int, end: int,
-                   skip: set[int]) -> dict[str, Any]:
+                   skip: set[int], progress: Progress | None = None) -> dict[str, Any]:
     """Rebuild, byte for byte, the packs the log holds from record `start` to `end`.
 
     Packs in `skip` (uploaded whole) are left alone. Chunks are applied in log
@@ -498,6 +660,8 @@ def apply_segments(local: LocalPacks, log: OwnerLog, start: int, end: int,
     report = {"segments": 0, "bytes": 0, "packs": 0}
     try:
         for seq in range(start, end):
+            if progress is not None:
+                progress(seq - start, end - start, report["bytes"])
             body = log.read(seq)
             if body["kind"] != "segment":
                 continue
@@ -600,10 +764,14 @@ def open_tier(store_dir: str, meta: dict[str, Any], local: LocalPacks) -> Tiered
         with open(cp_path, "rb") as f:
             cp = Checkpoint.decode(cp_path, f.read())
     log.claim(socket.gethostname())
-    return TieredPacks(local, bucket, log, strict=meta.get("sync") == "bucket", checkpoint=cp)
+    cache = meta.get("cache_size")
+    return TieredPacks(local, bucket, log, strict=meta.get("sync") == "bucket", checkpoint=cp,
+                       cache_size=int(cache) if cache is not None else None)
 
 
-def restore(url: str, store_dir: str, *, sync: str = "local") -> dict[str, Any]:
+def restore(url: str, store_dir: str, *, sync: str = "local",
+            cache_size: int | None = None, progress: Progress | None = None
+            ) -> dict[str, Any]:
     """Make `store_dir` a copy of the store in the bucket, downloading no packs.
 
     Claims the log first, so the old owner is fenced before the tail is read.
@@ -627,11 +795,11 @@ def restore(url: str, store_dir: str, *, sync: str = "local") -> dict[str, Any]:
     if cp is not None and cp.store_id.hex() != meta["store_id"]:
         raise Corrupt(BUCKET_META, 0, "the checkpoint belongs to another store")
     init_store(store_dir, block_size=int(meta["block_size"]), store_id=str(meta["store_id"]),
-               bucket=url, sync=sync)
+               bucket=url, sync=sync, cache_size=cache_size)
     local = LocalPacks(os.path.join(store_dir, "packs"))
     try:
         report = apply_segments(local, log, cp.log_from if cp else 0, epoch,
-                                set(cp.packs) if cp else set())
+                                set(cp.packs) if cp else set(), progress)
     finally:
         local.close()
     if cp is not None:
@@ -646,3 +814,35 @@ def restore(url: str, store_dir: str, *, sync: str = "local") -> dict[str, Any]:
     report.update(epoch=epoch, checkpoint=bool(cp), seconds=time.monotonic() - t0,
                   packs_in_bucket=len(cp.packs) if cp else 0)
     return report
+
+
+def prepare(store_dir: str, url: str, *, takeover: bool, sync: str = "local",
+            cache_size: int | None = None, progress: Progress | None = None) -> str:
+    """Make `store_dir` ready to serve the store kept at `url` (`strata serve --bucket`).
+
+    An existing store must be kept in that bucket. Otherwise an empty bucket
+    gets a new store, and a bucket that already holds one is restored here only
+    with `takeover`, since restoring fences the owner serving it now.
+    Returns what was done: "opened", "created" or "restored".
+    """
+    if os.path.exists(os.path.join(store_dir, "STRATA")):
+        from strata.engine.storedir import read_store_meta
+        have = read_store_meta(store_dir).get("bucket")
+        if have != url:
+            raise InvalidInput(f"{store_dir} is kept in {have or 'no bucket'}, not {url}")
+        return "opened"
+    bucket = Bucket(url)
+    bucket.check_conditional()
+    if not bucket.exists(BUCKET_META):
+        init_store(store_dir, bucket=url, sync=sync, cache_size=cache_size)
+        return "created"
+    if not takeover:
+        log = OwnerLog(bucket)
+        end = log.find_end()
+        owner = log.read(end - 1)["epoch"] if end else None
+        claim = log.read(owner) if owner is not None else {}
+        raise InvalidInput(f"the bucket at {url} already holds a store (owner epoch {owner}, "
+                           f"host {claim.get('host') or '?'}); pass --takeover to fence "
+                           "that owner and serve the store here")
+    restore(url, store_dir, sync=sync, cache_size=cache_size, progress=progress)
+    return "restored"

@@ -42,6 +42,7 @@ class Listener:
 class ServeResult:
     gap_seconds: float | None = None
     notes: list[str] = field(default_factory=list)
+    fenced: str | None = None  # another owner took the store over (the bucket tier)
 
 
 def _bind(spec: str, store_dir: str) -> Listener:
@@ -187,10 +188,27 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
                 await on_stop()
                 return
 
-    idle_task = asyncio.ensure_future(watch_idle(idle_exit)) if idle_exit else None
+    async def watch_fence() -> None:
+        """Stop once a bucket store's tier finds it was taken over.
+
+        Serving on could only answer refusals, and the new owner may be on another host.
+        """
+        while not done.is_set():
+            await asyncio.sleep(0.2)
+            store = state.store
+            why = store.fenced() if store is not None else None
+            if why is not None:
+                result.fenced = why
+                result.notes.append(f"stopped: {why}")
+                await on_stop()
+                return
+
+    tasks = [asyncio.ensure_future(watch_fence())]
+    if idle_exit:
+        tasks.append(asyncio.ensure_future(watch_idle(idle_exit)))
     await done.wait()
-    if idle_task is not None:
-        idle_task.cancel()
+    for task in tasks:
+        task.cancel()
     await _close_listeners(runner, listeners, unlink="handed off" not in result.notes)
     state.executor.shutdown(wait=True)
     return result

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from strata.engine.checkpoint import Checkpoint
 from strata.engine.errors import StrataError
 from strata.engine.local import LocalStore, init_store
 from strata.engine.tier import restore
@@ -118,6 +119,49 @@ def test_an_idle_old_owner_notices_the_takeover_and_stops(bucket_url: str,
             assert Transaction(s, "v").read("a") == b"before"
     finally:
         server.kill()
+
+
+def test_a_restored_store_restored_again_keeps_everything(bucket_url: str,
+                                                          tmp_path: Path) -> None:
+    """Host A, then B restored from it, then C from B.
+
+    B's checkpoints must carry the object index B inherited (it reads that index
+    lazily), not only the blocks it touched.
+    """
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    init_store(str(a), bucket=bucket_url, pack_size_limit=1 << 20)
+    with LocalStore(str(a)) as s:
+        s.create_volume("v")
+        t = Transaction(s, "v")
+        for i in range(3000):  # objects enough for several blocks of the index run
+            t.write(f"a{i}", content(f"a{i}", 5000))
+        t.commit()
+        s.sync_index()
+        a_objects = s.index.count_objects()
+        assert a_objects > 3000
+    shutil.rmtree(a)
+    restore(bucket_url, str(b))
+    with LocalStore(str(b)) as s:
+        assert Transaction(s, "v").read("a0") == content("a0", 5000)  # one index block
+        s.create_volume("w")  # a publish beside v's tree, not through it
+        t = Transaction(s, "w")
+        t.write("b0", content("b0", 5000))
+        t.commit()
+        deadline = time.monotonic() + 20
+        while not (s.tier_report() or {}).get("checkpoints") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        report = s.tier_report()
+        assert report and report["checkpoints"], report
+        assert report["index_entries_hydrated"] >= a_objects, report
+    # B's last checkpoint indexes every object, not only those B happened to look up.
+    cp = Checkpoint.decode("tier-checkpoint", (b / "tier-checkpoint").read_bytes())
+    assert cp.entries > a_objects, (cp.entries, a_objects)
+    shutil.rmtree(b)
+    restore(bucket_url, str(c))
+    got = survivors(c, [(f"a{i}", 0.0) for i in range(3000)], 5000)
+    assert len(got) == 3000
+    with LocalStore(str(c)) as s:
+        assert Transaction(s, "w").read("b0") == content("b0", 5000)
 
 
 def test_a_damaged_pack_in_the_bucket_is_an_error_naming_it(tmp_path: Path) -> None:

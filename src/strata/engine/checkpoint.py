@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,7 +126,25 @@ class RunReader:
         """Every entry of block `i` (a caller caches them all: neighbours come next)."""
         n = min(BLOCK_ENTRIES, self.entries - i * BLOCK_ENTRIES)
         start = RUN_HEAD + i * BLOCK_BYTES
-        data = self._read(start, start + n * ENTRY.size + 32)
+        return self._decode_block(i, start, self._read(start, start + n * ENTRY.size + 32), n)
+
+    def read_all(self, blocks_per_read: int = 64) -> Iterator[list[tuple[bytes, Loc]]]:
+        """Every entry, a verified block at a time, `blocks_per_read` blocks per ranged read."""
+        nblocks = -(-self.entries // BLOCK_ENTRIES)
+        for first in range(0, nblocks, blocks_per_read):
+            last = min(first + blocks_per_read, nblocks)
+            start = RUN_HEAD + first * BLOCK_BYTES
+            n_last = self.entries - (last - 1) * BLOCK_ENTRIES
+            end = RUN_HEAD + (last - 1) * BLOCK_BYTES + min(n_last, BLOCK_ENTRIES) * ENTRY.size + 32
+            data = self._read(start, end)
+            for i in range(first, last):
+                at = (i - first) * BLOCK_BYTES
+                n = min(BLOCK_ENTRIES, self.entries - i * BLOCK_ENTRIES)
+                yield self._decode_block(i, RUN_HEAD + i * BLOCK_BYTES,
+                                         data[at:at + n * ENTRY.size + 32], n)
+
+    def _decode_block(self, i: int, start: int, data: bytes, n: int
+                      ) -> list[tuple[bytes, Loc]]:
         body, digest = data[:-32], data[-32:]
         if len(body) != n * ENTRY.size or blake3.blake3(body).digest() != digest:
             raise Corrupt(self.name, start, f"index block {i} is damaged or short")

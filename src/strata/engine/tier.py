@@ -65,6 +65,7 @@ RESHIP_CHUNK = 4 << 20     # an unsealed pack shipped again at open goes in chun
 CHECKPOINT_INTERVAL = 2.0  # seconds between checkpoints while the store changes
 WINDOW = 1 << 20           # ranged reads of bucket-only packs, in aligned windows
 WINDOW_CACHE = 64          # windows kept in memory
+HYDRATE_BLOCKS = 64        # blocks of an inherited index run copied in per background pass
 FETCH_BACK_AFTER = 2       # window misses of one bucket-only pack before it is fetched whole
 EVICT_INTERVAL = 1.0       # seconds between checks of the local budget
 FENCE_CHECK_INTERVAL = 1.0  # an idle owner looks for a successor's claim this often
@@ -98,7 +99,8 @@ class TieredPacks(PackStore):
     """Local packs, with every byte also shipped to the bucket (see the module docstring)."""
 
     def __init__(self, local: LocalPacks, bucket: Bucket, log: OwnerLog, *, strict: bool,
-                 checkpoint: Checkpoint | None = None, cache_size: int | None = None) -> None:
+                 checkpoint: Checkpoint | None = None, cache_size: int | None = None,
+                 hydrated: str | None = None) -> None:
         self.local = local
         self.bucket = bucket
         self.log = log
@@ -119,8 +121,13 @@ class TieredPacks(PackStore):
         self._uploads: collections.deque[int] = collections.deque()
         self._windows: collections.OrderedDict[tuple[int, int], bytes] = \
             collections.OrderedDict()
+        # The object index of the checkpoint this store started from, until the local
+        # index holds all of it (`hydrated` names the run it holds whole): misses read
+        # it a block at a time meanwhile, and the background loop copies it in.
         self._run: RunReader | None = None
-        if checkpoint is not None and checkpoint.run:
+        self._hydrated = hydrated
+        self._hydrating: Iterator[list[tuple[bytes, Loc]]] | None = None
+        if checkpoint is not None and checkpoint.run and checkpoint.run != hydrated:
             run = checkpoint.run
             self._run = RunReader(run, checkpoint.fences, checkpoint.entries,
                                   lambda s, e: self.bucket.get_range(run, s, e))
@@ -147,7 +154,8 @@ class TieredPacks(PackStore):
         self.stats = {"segments": 0, "segment_bytes": 0, "packs_uploaded": 0,
                       "bytes_uploaded": 0, "checkpoints": 0, "ranged_reads": 0,
                       "last_checkpoint": 0.0, "last_ship": 0.0, "max_unshipped_ms": 0.0,
-                      "outages": 0, "evicted": 0, "evicted_bytes": 0, "fetched_back": 0}
+                      "outages": 0, "evicted": 0, "evicted_bytes": 0, "fetched_back": 0,
+                      "index_entries_hydrated": 0}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -269,6 +277,9 @@ class TieredPacks(PackStore):
     def checkpoint(self) -> str:
         """Write a checkpoint of the index as it is now; returns its bucket name."""
         assert self._index is not None
+        # A checkpoint's run must hold every object: first the inherited run, whole.
+        while self._hydrate_some():
+            pass
         (run, fences, entries), tables = self._index.checkpoint_tables(encode_run)
         # Everything up to `applied` was written before this point: ship it first.
         self.ship()
@@ -298,6 +309,7 @@ class TieredPacks(PackStore):
                 self.failed = exc
                 raise
         self.log.write_hint()
+        self._hydrated = run_name  # the local index holds all of it
         self._save_state(data)
         with self._lock:
             self._checkpointed = set(remote)
@@ -313,7 +325,28 @@ class TieredPacks(PackStore):
         if checkpoint is not None:
             _write_file(os.path.join(self._state_dir, TIER_CHECKPOINT), checkpoint)
         _write_file(os.path.join(self._state_dir, TIER_STATE), json.dumps(
-            {"epoch": self.log.epoch, "next": self.log.next}).encode())
+            {"epoch": self.log.epoch, "next": self.log.next,
+             "hydrated": self._hydrated}).encode())
+
+    def _hydrate_some(self) -> bool:
+        """Copy the next block of the inherited index run into the local index.
+
+        Returns whether any of it is left to copy.
+        """
+        run = self._run
+        if run is None:
+            return False
+        assert self._index is not None
+        if self._hydrating is None:
+            self._hydrating = run.read_all()
+        block = next(self._hydrating, None)
+        if block is not None:
+            self._index.add_objects(block)
+            self.stats["index_entries_hydrated"] += len(block)
+            return True
+        self._run, self._hydrating, self._hydrated = None, None, run.name
+        self._save_state()
+        return False
 
     def _loop(self) -> None:
         pause = 0.1
@@ -341,7 +374,12 @@ class TieredPacks(PackStore):
         while self._uploads:
             self._upload(self._uploads[0])
             self._uploads.popleft()
-        if self._changed and now - self._checkpointed_at >= CHECKPOINT_INTERVAL:
+        if self._run is not None:
+            # A part at a time, so shipping is not held up; checkpoints wait for it.
+            for _ in range(HYDRATE_BLOCKS):
+                if not self._hydrate_some():
+                    break
+        elif self._changed and now - self._checkpointed_at >= CHECKPOINT_INTERVAL:
             self.checkpoint()
         while self._fetches:
             self._fetch_back(self._fetches[0])
@@ -458,12 +496,13 @@ class TieredPacks(PackStore):
 
     def locate(self, oid: bytes) -> tuple[Loc | None, list[tuple[bytes, Loc]]]:
         """Where the checkpoint's index run puts `oid`, and the block read to find it."""
-        if self._run is None:
+        run = self._run
+        if run is None:
             return None, []
-        i = self._run.block_of(oid)
+        i = run.block_of(oid)
         if i is None or i in self._run_blocks:
             return None, []  # fetched before: the caller's index already holds it all
-        loc, block = self._run.lookup(oid)
+        loc, block = run.lookup(oid)
         self._run_blocks.add(i)
         return loc, block
 
@@ -765,8 +804,10 @@ def open_tier(store_dir: str, meta: dict[str, Any], local: LocalPacks) -> Tiered
             cp = Checkpoint.decode(cp_path, f.read())
     log.claim(socket.gethostname())
     cache = meta.get("cache_size")
+    hydrated = state.get("hydrated") if os.path.exists(state_path) else None
     return TieredPacks(local, bucket, log, strict=meta.get("sync") == "bucket", checkpoint=cp,
-                       cache_size=int(cache) if cache is not None else None)
+                       cache_size=int(cache) if cache is not None else None,
+                       hydrated=str(hydrated) if hydrated else None)
 
 
 def restore(url: str, store_dir: str, *, sync: str = "local",

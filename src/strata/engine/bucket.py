@@ -290,14 +290,20 @@ class OwnerLog:
         return seq
 
     def check_owner(self) -> None:
-        """`Fenced` if another owner has claimed the log (one HEAD: is our next record taken?)."""
-        if self.epoch is None or self.next is None:
+        """`Fenced` if another owner has claimed the log (one HEAD: is our next record taken?).
+
+        Safe beside this owner's own appends: a record found there that this
+        epoch wrote meanwhile is ours, not a successor's.
+        """
+        epoch, seq = self.epoch, self.next
+        if epoch is None or seq is None:
             raise Fenced("this process does not own the bucket's log")
-        if self.bucket.exists(log_name(self.next)):
-            other = self.read(self.next)
-            self.epoch = None
-            raise Fenced(f"the store was taken over (epoch {other['epoch']} wrote "
-                         f"{log_name(self.next)}): this owner stops")
+        if self.bucket.exists(log_name(seq)):
+            other = self.read(seq)
+            if other["epoch"] != epoch:
+                self.epoch = None
+                raise Fenced(f"the store was taken over (epoch {other['epoch']} wrote "
+                             f"{log_name(seq)}): this owner stops")
 
     def _write(self, seq: int, body: dict[str, Any]) -> bool:
         """Create record `seq`; False if another writer's record is there.

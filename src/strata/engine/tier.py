@@ -100,7 +100,7 @@ class TieredPacks(PackStore):
 
     def __init__(self, local: LocalPacks, bucket: Bucket, log: OwnerLog, *, strict: bool,
                  checkpoint: Checkpoint | None = None, cache_size: int | None = None,
-                 hydrated: str | None = None) -> None:
+                 hydrated: str | None = None, clean: bool = False) -> None:
         self.local = local
         self.bucket = bucket
         self.log = log
@@ -126,6 +126,10 @@ class TieredPacks(PackStore):
         # it a block at a time meanwhile, and the background loop copies it in.
         self._run: RunReader | None = None
         self._hydrated = hydrated
+        # Whether the last owner of this directory shipped everything it wrote (a clean
+        # close, or a restore, whose packs come from the log): if not, reship at attach.
+        self._clean_at_open = clean
+        self._clean = False
         self._hydrating: Iterator[list[tuple[bytes, Loc]]] | None = None
         if checkpoint is not None and checkpoint.run and checkpoint.run != hydrated:
             run = checkpoint.run
@@ -143,7 +147,6 @@ class TieredPacks(PackStore):
         # be evicted, since a reopened store learns where packs are from that file.
         self._checkpointed: set[int] = set(checkpoint.packs) if checkpoint else set()
         self._evict_checked = 0.0
-        self._fence_checked = 0.0
         self._log_from_at_open = checkpoint.log_from if checkpoint is not None else 0
         self._index: Index | None = None
         self._state_dir: str | None = None
@@ -158,6 +161,7 @@ class TieredPacks(PackStore):
                       "index_entries_hydrated": 0}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._fence_thread: threading.Thread | None = None
 
     # -- wiring ----------------------------------------------------------------------
 
@@ -165,7 +169,7 @@ class TieredPacks(PackStore):
         """Start the background work once the store's index is open."""
         self._index = index
         self._state_dir = state_dir
-        self._save_state()
+        self._save_state()  # not clean from here on, until a close has shipped it all
         self._store_id = store_id
         self._block_size = block_size
         inherited = self._log_from_at_open
@@ -177,10 +181,13 @@ class TieredPacks(PackStore):
             self._first_seq[n] = inherited
             if self._sealed(n):  # sealed, and a previous run did not upload it
                 self._uploads.append(n)
-            else:
+            elif not self._clean_at_open:
                 self._reship(n)
         self._thread = threading.Thread(target=self._loop, name="strata-tier", daemon=True)
         self._thread.start()
+        self._fence_thread = threading.Thread(target=self._watch_successor,
+                                              name="strata-tier-fence", daemon=True)
+        self._fence_thread.start()
 
     def _reship(self, number: int) -> None:
         """Ship an unsealed pack whole again, as it is after recovery.
@@ -326,7 +333,7 @@ class TieredPacks(PackStore):
             _write_file(os.path.join(self._state_dir, TIER_CHECKPOINT), checkpoint)
         _write_file(os.path.join(self._state_dir, TIER_STATE), json.dumps(
             {"epoch": self.log.epoch, "next": self.log.next,
-             "hydrated": self._hydrated}).encode())
+             "hydrated": self._hydrated, "clean": self._clean}).encode())
 
     def _hydrate_some(self) -> bool:
         """Copy the next block of the inherited index run into the local index.
@@ -387,21 +394,26 @@ class TieredPacks(PackStore):
         if self.cache_size is not None and now - self._evict_checked >= EVICT_INTERVAL:
             self._evict_checked = now
             self.evict(self.cache_size)
-        if now - max(self._shipped_at, self._fence_checked) >= FENCE_CHECK_INTERVAL:
-            # Idle: no write would notice a successor soon, so look for its claim.
-            self._fence_checked = now
-            self._check_successor()
 
-    def _check_successor(self) -> None:
-        with self._ship_lock:
-            self._check()
+    def _watch_successor(self) -> None:
+        """While idle, look for a successor's claim once a second.
+
+        In a thread of its own: a check stuck in an outage's retries must not
+        hold up shipping.
+        """
+        while not self._stop.wait(FENCE_CHECK_INTERVAL):
+            if self.failed is not None:
+                return
+            if time.monotonic() - self._shipped_at < FENCE_CHECK_INTERVAL:
+                continue  # a write just succeeded: it would have met a claim
             try:
                 self.log.check_owner()
             except BucketUnavailable:
-                raise
-            except BaseException as exc:
-                self.failed = exc
-                raise
+                continue
+            except BaseException as exc:  # noqa: BLE001 - fenced (or broken): stop
+                if self.failed is None:
+                    self.failed = exc
+                return
 
     # -- the local directory as a cache ---------------------------------------------------
 
@@ -636,9 +648,13 @@ class TieredPacks(PackStore):
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        # The fence watcher may be in a retry; it is a daemon and only reads.
         if self.failed is None:
             with contextlib.suppress(Exception):
                 self.flush()
+                if not self._pending:  # every byte written is in the bucket
+                    self._clean = True
+                    self._save_state()
         self.local.close()
 
 
@@ -786,6 +802,7 @@ def open_tier(store_dir: str, meta: dict[str, Any], local: LocalPacks) -> Tiered
     bucket_meta(bucket, str(meta["id"]), int(meta["block_size"]))
     log = OwnerLog(bucket)
     state_path = os.path.join(store_dir, TIER_STATE)
+    state: dict[str, Any] = {}
     if os.path.exists(state_path):
         with open(state_path, "rb") as f:
             state = json.loads(f.read())
@@ -804,10 +821,11 @@ def open_tier(store_dir: str, meta: dict[str, Any], local: LocalPacks) -> Tiered
             cp = Checkpoint.decode(cp_path, f.read())
     log.claim(socket.gethostname())
     cache = meta.get("cache_size")
-    hydrated = state.get("hydrated") if os.path.exists(state_path) else None
+    hydrated = state.get("hydrated")
     return TieredPacks(local, bucket, log, strict=meta.get("sync") == "bucket", checkpoint=cp,
                        cache_size=int(cache) if cache is not None else None,
-                       hydrated=str(hydrated) if hydrated else None)
+                       hydrated=str(hydrated) if hydrated else None,
+                       clean=state.get("clean") is True)
 
 
 def restore(url: str, store_dir: str, *, sync: str = "local",
@@ -850,8 +868,9 @@ def restore(url: str, store_dir: str, *, sync: str = "local",
         finally:
             index.close()
         _write_file(os.path.join(store_dir, TIER_CHECKPOINT), cp.encode())
+    # Clean: the packs rebuilt here are what the log holds, so nothing needs shipping.
     _write_file(os.path.join(store_dir, TIER_STATE),
-                json.dumps({"epoch": epoch, "next": epoch + 1}).encode())
+                json.dumps({"epoch": epoch, "next": epoch + 1, "clean": True}).encode())
     report.update(epoch=epoch, checkpoint=bool(cp), seconds=time.monotonic() - t0,
                   packs_in_bucket=len(cp.packs) if cp else 0)
     return report

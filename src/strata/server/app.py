@@ -35,7 +35,7 @@ from strata.engine.errors import (
 from strata.engine.local import LocalStore
 from strata.engine.names import check_branch, check_hex_id, check_volume
 from strata.server import events as events_mod
-from strata.server import wire
+from strata.server import ui, wire
 from strata.server.openapi import OPENAPI
 from strata.server.tokens import OWNER, Scope, TokenStore
 from strata.server.visibility import Visibility
@@ -176,6 +176,8 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
             request["scope"] = OWNER
         elif request.path == "/openapi.json":
             request["scope"] = None
+        elif request.path.startswith("/ui"):  # the web view: a cookie, not a header
+            request["scope"] = ui.session_scope(request, state)
         else:
             auth = request.headers.get("Authorization", "")
             if not auth.startswith("Bearer "):
@@ -760,4 +762,5 @@ def make_app(state: ServerState) -> web.Application:
     r.add_post("/v1/admin/handoff", handoff)
     r.add_post("/v1/admin/stop", stop)
     r.add_get("/events", events)
+    ui.register(app, state)
     return app

@@ -234,7 +234,7 @@ def _run_of(meta: dict[str, Any]) -> str | None:
     return run if isinstance(run, str) else None
 
 
-def describe_publish(store: Store, sid: str) -> dict[str, Any]:
+def describe_publish(store: Store, sid: str, count_limit: int = COUNT_LIMIT) -> dict[str, Any]:
     """A snapshot as a publish event describes it: parent, message, time, +/-/M counts."""
     info = store.snapshot(sid)
     out: dict[str, Any] = {"snapshot": sid, "parent": info.parent, "message": info.message,
@@ -248,7 +248,7 @@ def describe_publish(store: Store, sid: str) -> dict[str, Any]:
         change = "added" if old is None else "deleted" if new is None else "modified"
         out[change] += 1
         n += 1
-        if n >= COUNT_LIMIT:
+        if n >= count_limit:
             out["truncated"] = True
             break
     return out

@@ -57,6 +57,7 @@ function show(...nodes) { main().replaceChildren(...nodes); }
 function short(id) { return id ? id.slice(0, 12) : "-"; }
 function when(t) { return new Date(t * 1000).toLocaleString(); }
 function age(t) {
+  if (!t) return "-";  // the empty snapshot every volume starts from
   const s = Math.max(0, Date.now() / 1000 - t);
   if (s < 60) return Math.round(s) + "s ago";
   if (s < 3600) return Math.round(s / 60) + "m ago";
@@ -196,8 +197,9 @@ async function file() {
   const raw = el("a", { href: "/ui/raw?" + query({ v, s, p }) }, "download");
   let body;
   if (f.view === "text") {
-    body = el("pre", { class: "lines", id: "text" }, ...f.lines.map((l) => el("span", { class: "l" }, l)));
-    if (f.truncated) body.after(el("p", { class: "muted" }, "(truncated)"));
+    body = el("div", {}, el("pre", { class: "lines", id: "text" },
+                            ...f.lines.map((l) => el("span", { class: "l" }, l))),
+              f.truncated ? el("p", { class: "muted" }, "(truncated)") : null);
   } else if (f.view === "image") {
     body = el("img", { class: "view", id: "image", alt: f.name, src: "/ui/raw?" + query({ v, s, p }) });
   } else if (f.view === "sqlite") {

@@ -96,6 +96,13 @@ class Env:
         self.first = t.commit("first import")
         t.write("readme.txt", b"line one\nline 2\nline three\nline four\n")
         self.second = t.commit("edit readme")
+        # A refused change set as `strata run` keeps one: on rejected/<run>, from the
+        # snapshot the run started from.
+        self.owner.fork("proj", "rejected/r1", at=self.first)
+        r = Transaction(self.owner, "proj", "rejected/r1")
+        r.write("readme.txt", b"a rival edit\n")
+        r.write("other.txt", b"untouched elsewhere\n")
+        self.rejected = r.commit("rejected: run r1")
         s = Transaction(self.owner, "secret")
         s.write("hidden.txt", b"not for proj's token\n")
         self.secret_head = s.commit("secret")
@@ -179,7 +186,7 @@ def test_login_sets_a_cookie_and_drops_the_token_from_the_url(env: Env,
     assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
     assert browser.execute_script("return document.cookie") == ""  # script cannot read it
     rows = browser.find_elements(By.CSS_SELECTOR, "table.branches tbody tr")
-    assert [r.get_attribute("data-branch") for r in rows] == ["live"]
+    assert [r.get_attribute("data-branch") for r in rows] == ["live", "rejected/r1"]
     assert "edit readme" in _text(browser, "table.branches")
     _wait(browser, lambda d: "on" in d.find_element(By.ID, "live").get_attribute("class"))
     _screenshot(browser, "home")
@@ -250,6 +257,17 @@ def test_image_sqlite_and_binary_files(env: Env, browser: WebDriver) -> None:
     _open(browser, env, f"view=file&v=proj&s={env.second}&p=blob.bin", "#binary")
     text = _text(browser, "#binary")
     assert str(len(env.blob)) in text and blake3.blake3(env.blob).hexdigest() in text
+
+
+def test_rejected_change_set_beside_what_it_conflicted_with(env: Env,
+                                                           browser: WebDriver) -> None:
+    _open(browser, env, "view=rejected&v=proj&b=rejected/r1", ".grid2")
+    mine, theirs = browser.find_elements(By.CSS_SELECTOR, ".grid2 > div")
+    assert [r.text.split() for r in mine.find_elements(By.CSS_SELECTOR, "tr")] == [
+        ["A", "other.txt"], ["M", "readme.txt"]]
+    assert "live" in theirs.text and "edit readme" in theirs.text
+    assert [e.text for e in theirs.find_elements(By.CSS_SELECTOR, "li")] == ["readme.txt"]
+    _screenshot(browser, "rejected")
 
 
 def test_names_that_are_not_utf8_round_trip(env: Env, browser: WebDriver) -> None:

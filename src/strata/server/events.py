@@ -180,7 +180,8 @@ class EventFeed:
         key = (note.data["volume"], note.data["branch"])
         txid = note.data.pop("txid", None)
         info = store.snapshot(note.data["snapshot"])
-        if (key, info.id) in self._announced or (txid is not None and info.tx != txid):
+        if ((key, info.id) in self._announced or self._heads.get(key) == info.id
+                or (txid is not None and info.tx != txid)):
             return  # announced already, or an old head handed back by a no-op publish
         parent = info.parent
         note.data["parent"] = parent

@@ -10,7 +10,8 @@ STAMP  := $(VENV)/.stamp
 
 # Debian packages: required ones must install; optional ones (gVisor's runsc)
 # are installed when apt has a candidate and skipped with a message otherwise.
-APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync iproute2
+APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync iproute2 \
+                chromium chromium-driver
 APT_OPTIONAL := runsc
 
 .PHONY: deps apt-deps lint test demo bench fuzz clean

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from strata.engine.errors import (
+    Conflict,
     Forbidden,
     InvalidInput,
     NotFound,
@@ -33,7 +34,8 @@ from strata.engine.errors import (
 )
 from strata.engine.local import LocalStore
 from strata.engine.names import check_branch, check_hex_id, check_volume
-from strata.server import wire
+from strata.server import events as events_mod
+from strata.server import ui, wire
 from strata.server.openapi import OPENAPI
 from strata.server.tokens import OWNER, Scope, TokenStore
 from strata.server.visibility import Visibility
@@ -64,6 +66,8 @@ class ServerState:
         self.store: LocalStore | None = None
         self.tokens = TokenStore(store_dir)
         self.visibility = Visibility()
+        self.events = events_mod.EventFeed(lambda: self.store)
+        self.listens: list[str] = []  # the addresses served (`strata ui` finds TCP here)
         self.budget = ByteBudget(BODY_BUDGET)
         self.answers = ByteBudget(ANSWER_BUDGET)
         self.mode = "starting"      # starting -> serving -> draining -> stopped
@@ -172,6 +176,8 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
             request["scope"] = OWNER
         elif request.path == "/openapi.json":
             request["scope"] = None
+        elif request.path.startswith("/ui"):  # the web view: a cookie, not a header
+            request["scope"] = ui.session_scope(request, state)
         else:
             auth = request.headers.get("Authorization", "")
             if not auth.startswith("Bearer "):
@@ -440,7 +446,13 @@ async def create_volume(request: web.Request) -> web.Response:
     if not scope.is_owner:
         raise Forbidden("only the store owner creates volumes")
     name = _field(await _json(request), "name", str)
-    head = await state.run(state.need_store().create_volume, name)
+
+    def run() -> str:
+        head = state.need_store().create_volume(name)
+        state.events.note_volume(name, True, head)
+        return head
+
+    head = await state.run(run)
     return web.json_response({"name": name, "head": head}, status=201)
 
 
@@ -448,7 +460,12 @@ async def delete_volume(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if not _scope(request).is_owner:
         raise Forbidden("only the store owner deletes volumes")
-    await state.run(state.need_store().delete_volume, request.match_info["volume"])
+
+    def run() -> None:
+        state.need_store().delete_volume(request.match_info["volume"])
+        state.events.note_volume(request.match_info["volume"], False)
+
+    await state.run(run)
     return web.json_response({"deleted": request.match_info["volume"]})
 
 
@@ -493,7 +510,13 @@ async def fork(request: web.Request) -> web.Response:
     _scope(request).check_branch(volume, name, write=True)
     if at is not None:
         await _check_visible(request, volume, at)
-    head = await state.run(lambda: state.need_store().fork(volume, name, at=at))
+
+    def run() -> str:
+        head = state.need_store().fork(volume, name, at=at)
+        state.events.note_fork(volume, name, head)
+        return head
+
+    head = await state.run(run)
     return web.json_response({"name": name, "head": head}, status=201)
 
 
@@ -502,7 +525,12 @@ async def delete_branch(request: web.Request) -> web.Response:
     volume = check_volume(request.match_info["volume"])
     branch = check_branch(request.match_info["branch"])
     _scope(request).check_branch(volume, branch, write=True)
-    await state.run(state.need_store().delete_branch, volume, branch)
+
+    def run() -> None:
+        state.need_store().delete_branch(volume, branch)
+        state.events.note_branch_deleted(volume, branch)
+
+    await state.run(run)
     return web.json_response({"deleted": branch})
 
 
@@ -568,7 +596,14 @@ async def publish(request: web.Request) -> web.Response:
         if scope.volume is not None:
             store.check_refs_reachable(scope.volume, changesets, objects)
         store.check_tree_refs(objects)
-        heads, nodes = store.publish_detailed(changesets, objects, txid=txid)
+        try:
+            heads, nodes = store.publish_detailed(changesets, objects, txid=txid)
+        except Conflict as exc:
+            state.events.note_conflict(changesets, exc.paths)
+            raise
+        # Noted here, in the thread that published: a client that hangs up now
+        # cancels the handler, not this.
+        state.events.note_publish(changesets, heads, txid)
         return {"heads": heads, "prefetch": _prefetch(store, heads, nodes)}
 
     return web.json_response(await state.run(run))
@@ -656,7 +691,8 @@ async def stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
     store = state.need_store()
     tier = await state.run(store.tier_report)
-    return web.json_response({**store.stats, **state.served, "bucket": tier})
+    return web.json_response({**store.stats, **state.served, "bucket": tier,
+                              "listen": state.listens})
 
 
 async def fsck(request: web.Request) -> web.Response:
@@ -671,6 +707,12 @@ async def fsck(request: web.Request) -> web.Response:
     else:
         report = await state.run(store.fsck)
     return web.json_response(report)
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    """Server-sent events (docs/api.md, "Events"); outside /v1: never drained on handoff."""
+    state = request.app[STATE]
+    return await events_mod.answer(request, state, _scope(request))
 
 
 async def handoff(request: web.Request) -> web.Response:
@@ -719,4 +761,6 @@ def make_app(state: ServerState) -> web.Application:
     r.add_post("/v1/admin/fsck", fsck)
     r.add_post("/v1/admin/handoff", handoff)
     r.add_post("/v1/admin/stop", stop)
+    r.add_get("/events", events)
+    ui.register(app, state)
     return app

@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from strata.engine.errors import Corrupt, InvalidInput, Unavailable
@@ -306,6 +306,58 @@ class RemoteStore(Store):
         return dict(self._json("GET", "/v1/whoami"))
 
     # -- owner administration (unix socket) ---------------------------------------------
+
+    def events(self, refs: Sequence[str], since: str | None = None,
+               heads: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+        """Follow `GET /events` (server-sent events) until the stream ends.
+
+        Each event carries `_id` (its SSE id, for `since` on a reconnect) when it
+        has one. `heads` ("VOLUME@BRANCH" -> snapshot) is what the caller already
+        reported, so a server that cannot replay from its ring catches up from
+        history instead. The stream's own connection, never the kept-alive one.
+        """
+        query = [("ref", r) for r in refs]
+        if since:
+            query.append(("since", since))
+        query += [("head", f"{ref}={sid}") for ref, sid in (heads or {}).items()]
+        path = "/events" + ("?" + urllib.parse.urlencode(query) if query else "")
+        hdrs = {"Accept": "text/event-stream"}
+        if self.token:
+            hdrs["Authorization"] = f"Bearer {self.token}"
+        if self.kind == "unix":
+            conn: http.client.HTTPConnection = _UnixConnection(self.where, self.timeout)
+        else:
+            conn = http.client.HTTPConnection(self.where, self.port, timeout=self.timeout)
+        try:
+            conn.request("GET", path, headers=hdrs)
+            resp = conn.getresponse()
+            if resp.status >= 400:
+                data = resp.read()
+                try:
+                    err = json.loads(data)
+                except ValueError:
+                    err = {"message": data[:200].decode(errors="replace")}
+                wire.raise_error(resp.status, err if isinstance(err, dict) else {})
+            sid: str | None = None
+            data_lines: list[str] = []
+            while True:
+                raw = resp.readline()
+                if not raw:
+                    return
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if line == "":
+                    if data_lines:
+                        event = json.loads("\n".join(data_lines))
+                        if sid is not None:
+                            event["_id"] = sid
+                        yield event
+                    sid, data_lines = None, []
+                elif line.startswith("id:"):
+                    sid = line[3:].strip()
+                elif line.startswith("data:"):
+                    data_lines.append(line[5:].lstrip())
+        finally:
+            conn.close()
 
     def admin(self, method: str, path: str, payload: Any = None) -> Any:
         return self._json(method, f"/v1/admin/{path}", payload)

@@ -100,6 +100,7 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
         listens = [own, *listens]
     listeners = [_bind(spec, store_dir) for spec in listens]
     state = ServerState(store_dir)
+    state.listens = list(listens)
     app = make_app(state)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
@@ -159,6 +160,7 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
         if state.mode != "serving":
             return
         state.mode = "draining"
+        state.events.close()  # event streams end; their readers resume from the successor
         await state.idle.wait()
         store, state.store = state.store, None
         if store is not None:

@@ -1,0 +1,731 @@
+"""The web view at /ui: volumes, branches, history, diffs and files, live as runs publish.
+
+Everything here reads; no route changes a volume, a branch or a token. The
+browser holds a read-only token in an HttpOnly, SameSite=Strict cookie set by
+`/ui/login` (the URL `strata ui` prints carries the token once, then the
+browser is sent to a clean URL). Each request's scope is the token's, checked
+with the API's own rules: a token sees one volume, snapshots only from that
+volume's history, and a name outside its scope gets the same answer whether
+it exists or not.
+
+Pages are one static shell (`ui_static/`), whose script reads the JSON routes
+under `/ui/api/`. The shell's Content-Security-Policy allows only scripts,
+styles and images served from here, so nothing from a volume runs in this
+origin: file contents come as JSON text (the script shows them with
+`textContent`), and `/ui/raw` sends bytes only as a download, or as a raster
+image, each with `sandbox` and `nosniff`.
+
+Names are bytes. A path travels in a URL as its bytes percent-encoded (a name
+that is not UTF-8 keeps its raw bytes), and the server sends each entry's
+encoded form (`q`) beside a printable one (`name`), so the script never has
+to decode a path.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import difflib
+import hashlib
+import itertools
+import json
+import os
+import sqlite3
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Iterator
+from importlib import resources
+from typing import Any
+
+import blake3
+from aiohttp import web
+
+from strata.engine.errors import InvalidInput, NotFound, Unauthenticated
+from strata.engine.interface import Store
+from strata.engine.local import LocalStore
+from strata.engine.names import check_branch, check_hex_id, check_volume, split_path
+from strata.engine.objects import ENTRY_KIND_NAMES, K_DIR, K_FILE, K_SYMLINK, Entry, FileNode
+from strata.engine.tree import Trees, decode_name, encode_name
+from strata.server import events as events_mod
+from strata.server.tokens import Scope
+
+COOKIE = "strata_ui"
+PAGE = 200            # entries in one page of a listing or of history
+MAX_PAGE = 1000
+TEXT_LIMIT = 2 * 1024 * 1024   # bytes of a text file shown
+LINE_LIMIT = 20_000
+DIFF_FILE_LIMIT = 1024 * 1024  # each side of a unified diff
+DIFF_LIMIT = 10_000   # paths in one diff answer; the rest is counted, not sent
+SQLITE_LIMIT = 64 * 1024 * 1024
+SQLITE_ROWS = 100
+SQLITE_TABLES = 50
+SQLITE_STEPS = 2_000_000  # VM steps per query before it is stopped
+SNIFF = 8192
+
+PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+            "connect-src 'self'; base-uri 'none'; form-action 'none'; "
+            "frame-ancestors 'none'")
+RAW_CSP = "default-src 'none'; sandbox"
+IMAGES = {b"\x89PNG\r\n\x1a\n": "image/png", b"\xff\xd8\xff": "image/jpeg",
+          b"GIF87a": "image/gif", b"GIF89a": "image/gif"}
+STATIC = {"app.js": "text/javascript", "app.css": "text/css"}
+
+
+def _headers(csp: str = PAGE_CSP) -> dict[str, str]:
+    return {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY",
+            "Cache-Control": "no-store"}
+
+
+def session_scope(request: web.Request, state: Any) -> Scope | None:
+    """The scope of the browser's cookie; None without a valid one (the page says so).
+
+    As for bearer tokens, a token works only for the volume it was made for,
+    not for a later volume of the same name.
+    """
+    token = request.cookies.get(COOKIE)
+    if not token:
+        return None
+    try:
+        scope: Scope = state.tokens.verify(token)
+        if scope.volume is not None:
+            store = state.need_store()
+            try:
+                current = store.volume_id(scope.volume)
+            except NotFound:
+                current = None
+            if current != scope.volume_id:
+                return None
+    except Unauthenticated:
+        return None
+    return scope
+
+
+# -- request parsing --------------------------------------------------------------------
+
+def _query(request: web.Request) -> dict[str, str]:
+    """The query, decoded so that bytes that are not UTF-8 survive (surrogateescape)."""
+    raw = request.raw_path.partition("?")[2]
+    out: dict[str, str] = {}
+    for part in raw.split("&"):
+        if not part:
+            continue
+        k, _, v = part.partition("=")
+        out.setdefault(urllib.parse.unquote_plus(k),
+                       urllib.parse.unquote_plus(v, errors="surrogateescape"))
+    return out
+
+
+def quote(path: str) -> str:
+    """A path as it travels in a URL: its bytes percent-encoded ('/' kept)."""
+    return urllib.parse.quote(path, safe="/", errors="surrogateescape")
+
+
+def printable(path: str) -> str:
+    r"""A path to show: UTF-8 as is, other bytes as \xNN."""
+    return encode_name(path).decode("utf-8", "backslashreplace")
+
+
+class View:
+    """One request's scope and store, with the API's checks."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.state = request.app[STATE_KEY]
+        scope = request.get("scope")
+        if not isinstance(scope, Scope):
+            raise Unauthenticated("no session: open the URL `strata ui` prints")
+        self.scope: Scope = scope
+        self.store: LocalStore = self.state.need_store()
+        self.q = _query(request)
+
+    def arg(self, name: str, default: str | None = None) -> str:
+        v = self.q.get(name, default)
+        if v is None:
+            raise InvalidInput(f"missing query parameter {name!r}")
+        return v
+
+    def volume(self) -> str:
+        v = check_volume(self.arg("v"))
+        self.scope.check_volume(v)  # the same refusal for a volume that does not exist
+        return v
+
+    def branch(self, volume: str) -> str:
+        b = check_branch(self.arg("b", "live"))
+        self.scope.check_branch(volume, b, write=False)
+        return b
+
+    def snapshot(self, volume: str, name: str = "s") -> str:
+        """A snapshot id from the query, if the token may see it (blocking)."""
+        sid = check_hex_id(self.arg(name))
+        if not self.scope.is_owner:
+            vid = self.store.volume_id(volume)
+            if not self.state.visibility.contains(self.store, vid, volume, sid):
+                raise NotFound(f"no snapshot {sid} in volume {volume!r}")
+        self.store.snapshot(sid)  # NotFound if it is none
+        return sid
+
+    def path(self) -> str:
+        p = self.q.get("p", "").strip("/")
+        split_path(p)
+        return p
+
+    def heads(self, volume: str) -> dict[str, str]:
+        heads = self.store.list_branches(volume)
+        if self.scope.branch is not None:
+            heads = {b: h for b, h in heads.items() if b == self.scope.branch}
+        return heads
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        return await self.state.run(fn, *args)
+
+
+STATE_KEY: web.AppKey[Any] = web.AppKey("ui_state")
+
+
+def _json(value: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(value, separators=(",", ":")), status=status,
+                        content_type="application/json", headers=_headers())
+
+
+# -- pages ------------------------------------------------------------------------------
+
+def _static(name: str) -> bytes:
+    return resources.files("strata.server").joinpath("ui_static", name).read_bytes()
+
+
+async def page(request: web.Request) -> web.Response:
+    """The shell every view shares; its script reads the view from the URL."""
+    if not isinstance(request.get("scope"), Scope):
+        return web.Response(text=_NO_SESSION, status=401, content_type="text/html",
+                            headers=_headers())
+    return web.Response(body=_static("index.html"), content_type="text/html",
+                        headers=_headers())
+
+
+_NO_SESSION = """<!doctype html><meta charset="utf-8"><title>strata</title>
+<link rel="stylesheet" href="/ui/static/app.css">
+<main><h1>strata</h1><p>No session. Run <code>strata ui VOLUME</code> and open the URL
+it prints.</p></main>"""
+
+
+async def static(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    if name not in STATIC:
+        raise web.HTTPNotFound()
+    headers = {**_headers(), "Cache-Control": "no-cache"}
+    return web.Response(body=_static(name), content_type=STATIC[name], headers=headers)
+
+
+async def login(request: web.Request) -> web.Response:
+    """Trade the token in the URL for a cookie, then go to a URL without it.
+
+    Setting a cookie changes nothing on the server. The token must be valid
+    now; the cookie lives no longer than the token does.
+    """
+    state = request.app[STATE_KEY]
+    q = _query(request)
+    token = q.get("token", "")
+    scope = state.tokens.verify(token)  # Unauthenticated: 401
+    if scope.is_owner or scope.writable:
+        # The browser gets read-only sessions only: nothing in it may write.
+        raise InvalidInput("the web view takes read-only tokens (strata ui makes one)")
+    nxt = q.get("next", "/ui/")
+    if not nxt.startswith("/ui/") or "//" in nxt or "\\" in nxt or any(
+            ord(c) < 0x20 for c in nxt):
+        nxt = "/ui/"
+    tid = token.split("_")[1]
+    info = next((t for t in state.tokens.list() if t.id == tid), None)
+    max_age = None if info is None or info.expires is None else max(
+        int(info.expires - time.time()), 1)
+    resp = web.HTTPSeeOther(location=nxt, headers=_headers())
+    resp.set_cookie(COOKIE, token, path="/ui", httponly=True, samesite="Strict",
+                    max_age=max_age)
+    return resp
+
+
+# -- volumes, branches, history ------------------------------------------------------------
+
+async def api_volumes(request: web.Request) -> web.Response:
+    view = View(request)
+
+    def run() -> dict[str, Any]:
+        store = view.store
+        names = store.list_volumes()
+        if not view.scope.is_owner:
+            names = [n for n in names if n == view.scope.volume]
+        out = []
+        now = time.time()
+        for name in names:
+            branches = []
+            for b, h in sorted(view.heads(name).items()):
+                info = store.snapshot(h)
+                branches.append({"name": b, "head": h, "time": info.time_ns / 1e9,
+                                 "age": max(now - info.time_ns / 1e9, 0),
+                                 "message": info.message,
+                                 "rejected": b.startswith("rejected/")})
+            out.append({"name": name, "branches": branches})
+        return {"volumes": out, "owner": view.scope.is_owner}
+
+    return _json(await view.run(run))
+
+
+def _limit(view: View) -> int:
+    try:
+        n = int(view.arg("limit", str(PAGE)))
+    except ValueError as exc:
+        raise InvalidInput("limit must be a number") from exc
+    return min(max(n, 1), MAX_PAGE)
+
+
+async def api_log(request: web.Request) -> web.Response:
+    """One page of a branch's history, newest first; `next` continues it."""
+    view = View(request)
+    volume = view.volume()
+    branch = view.branch(volume)
+    limit = _limit(view)
+
+    def run() -> dict[str, Any]:
+        heads = view.heads(volume)
+        if branch not in heads:
+            raise NotFound(f"no branch {branch!r} in volume {volume!r}")
+        cur: str | None = view.snapshot(volume, "after") if "after" in view.q else heads[branch]
+        if "after" in view.q and cur is not None:
+            cur = view.store.snapshot(cur).parent
+        entries: list[dict[str, Any]] = []
+        while cur is not None and len(entries) < limit:
+            ev = events_mod.describe_publish(view.store, cur, count_limit=10_000)
+            entries.append({"id": cur, "parent": ev["parent"], "time": ev["snapshot_time"],
+                            "message": ev["message"], "run": ev["run"],
+                            "added": ev["added"], "deleted": ev["deleted"],
+                            "modified": ev["modified"], "truncated": ev.get("truncated", False)})
+            cur = ev["parent"]
+        return {"volume": volume, "branch": branch, "head": heads[branch],
+                "entries": entries, "next": entries[-1]["id"] if cur is not None else None}
+
+    return _json(await view.run(run))
+
+
+# -- directories and files --------------------------------------------------------------
+
+def _iter_from(trees: Trees, oid: bytes, after: bytes | None) -> Iterator[tuple[bytes, Entry]]:
+    """A directory's entries after the name `after`, reaching it in O(depth)."""
+    node = trees.node(oid)
+    if node.level == 0:
+        names = [n for n, _ in node.entries]
+        start = 0 if after is None else bisect.bisect_right(names, after)
+        yield from node.entries[start:]
+        return
+    firsts = [c[0] for c in node.children]
+    start = 0 if after is None else max(bisect.bisect_right(firsts, after) - 1, 0)
+    for i, (_f, child, _c) in enumerate(node.children[start:]):
+        yield from _iter_from(trees, child, after if i == 0 else None)
+
+
+def _entry_json(path: str, e: Entry) -> dict[str, Any]:
+    return {"name": printable(path.rpartition("/")[2]), "path": printable(path),
+            "q": quote(path), "type": ENTRY_KIND_NAMES[e.kind], "size": e.size,
+            "mtime": e.mtime_ns / 1e9, "mode": f"{e.mode:04o}"}
+
+
+def _resolve(store: Store, sid: str, path: str) -> Entry:
+    e = Trees(store, store.node_cache).resolve(store.snapshot(sid).root, split_path(path))
+    if e is None:
+        raise NotFound(f"no such file or directory: {printable(path)!r}")
+    return e
+
+
+async def api_tree(request: web.Request) -> web.Response:
+    """One page of a directory (names in byte order); `next` is the last name's q."""
+    view = View(request)
+    volume = view.volume()
+    limit = _limit(view)
+
+    def run() -> dict[str, Any]:
+        sid = view.snapshot(volume)
+        path = view.path()
+        store = view.store
+        e = _resolve(store, sid, path)
+        if e.kind != K_DIR:
+            return {"path": printable(path), "q": quote(path), "dir": False,
+                    "entry": _entry_json(path, e)}
+        trees = Trees(store, store.node_cache)
+        after = encode_name(view.q["after"]) if view.q.get("after") else None
+        items: list[dict[str, Any]] = []
+        count = 0
+        more = False
+        if e.ref is not None:
+            count = trees.count(e.ref)
+            for name, child in itertools.islice(_iter_from(trees, e.ref, after), limit + 1):
+                if len(items) == limit:
+                    more = True
+                    break
+                full = f"{path}/{decode_name(name)}" if path else decode_name(name)
+                items.append({**_entry_json(full, child), "raw": decode_name(name)})
+        last = quote(items[-1]["raw"]) if more else None
+        for item in items:
+            del item["raw"]
+        return {"path": printable(path), "q": quote(path), "dir": True, "count": count,
+                "entries": items, "next": last}
+
+    return _json(await view.run(run))
+
+
+def _read(store: Store, e: Entry, limit: int | None = None) -> Iterator[bytes]:
+    """A file's bytes, piece by piece (at most `limit` bytes)."""
+    if e.ref is None:
+        yield (e.data or b"")[:limit]
+        return
+    node = FileNode.decode(store.get_object(e.ref))
+    size = node.size if limit is None else min(node.size, limit)
+    for length, data in node.pieces(0, size, store.get_object):
+        yield bytes(length) if data is None else data
+
+
+def sniff(head: bytes) -> str:
+    """What a file's first bytes say it is: image/…, sqlite, text or binary."""
+    for magic, ctype in IMAGES.items():
+        if head.startswith(magic):
+            return ctype
+    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
+        return "image/webp"
+    if head.startswith(b"SQLite format 3\x00"):
+        return "sqlite"
+    if b"\x00" in head:
+        return "binary"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:  # not just a character cut at the end
+            return "binary"
+    return "text"
+
+
+async def api_file(request: web.Request) -> web.Response:
+    view = View(request)
+    volume = view.volume()
+
+    def run() -> dict[str, Any]:
+        sid = view.snapshot(volume)
+        path = view.path()
+        store = view.store
+        e = _resolve(store, sid, path)
+        out: dict[str, Any] = {**_entry_json(path, e), "snapshot": sid}
+        if e.kind == K_SYMLINK:
+            out["view"] = "symlink"
+            out["target"] = printable(os.fsdecode(e.data or b""))
+            return out
+        if e.kind == K_DIR:
+            out["view"] = "dir"
+            return out
+        if e.kind != K_FILE:
+            out["view"] = "special"
+            return out
+        head = b"".join(_read(store, e, SNIFF))
+        kind = sniff(head)
+        h = blake3.blake3()
+        for piece in _read(store, e):
+            h.update(piece)
+        out["blake3"] = h.hexdigest()
+        if kind.startswith("image/"):
+            out["view"] = "image"
+            out["ctype"] = kind
+        elif kind == "sqlite":
+            out["view"] = "sqlite"
+            out["tables"] = _sqlite_tables(store, e)
+        elif kind == "text":
+            data = b"".join(_read(store, e, TEXT_LIMIT))
+            text = data.decode("utf-8", "replace")
+            lines = text.split("\n")
+            if lines and lines[-1] == "":
+                lines.pop()
+            out["view"] = "text"
+            out["lines"] = lines[:LINE_LIMIT]
+            out["truncated"] = e.size > TEXT_LIMIT or len(lines) > LINE_LIMIT
+        else:
+            out["view"] = "binary"
+        return out
+
+    return _json(await view.run(run))
+
+
+def _cell(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return f"<{len(v)} bytes>"
+    if isinstance(v, str) and len(v) > 500:
+        return v[:500] + "…"
+    return v
+
+
+def _sqlite_tables(store: Store, e: Entry) -> dict[str, Any]:
+    """The tables of a SQLite file: columns and the first rows, read-only, bounded.
+
+    The bytes go to a private temporary file opened read-only and immutable
+    (no journal, no lock, nothing written); every query is stopped after
+    SQLITE_STEPS steps, so a hostile file cannot keep a thread busy.
+    """
+    if e.size > SQLITE_LIMIT:
+        return {"error": f"database over {SQLITE_LIMIT >> 20} MiB: not opened"}
+    fd, tmp = tempfile.mkstemp(prefix="strata-ui-", suffix=".db")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for piece in _read(store, e):
+                f.write(piece)
+        uri = "file:" + urllib.parse.quote(tmp) + "?mode=ro&immutable=1"
+        conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        try:
+            steps = [0]
+
+            def progress() -> int:
+                steps[0] += 1
+                return 1 if steps[0] * 1000 > SQLITE_STEPS else 0
+
+            conn.set_progress_handler(progress, 1000)
+            conn.execute("PRAGMA query_only = 1")
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("PRAGMA trusted_schema = 0")
+            names = [r[0] for r in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name LIMIT ?",
+                (SQLITE_TABLES,))]
+            tables = []
+            for name in names:
+                steps[0] = 0
+                ident = '"' + str(name).replace('"', '""') + '"'
+                try:
+                    cur = conn.execute(f"SELECT * FROM {ident} LIMIT {SQLITE_ROWS}")
+                    cols = [d[0] for d in cur.description or ()]
+                    rows = [[_cell(v) for v in row] for row in cur.fetchall()]
+                    steps[0] = 0
+                    count = conn.execute(f"SELECT count(*) FROM {ident}").fetchone()[0]
+                    tables.append({"name": str(name), "columns": cols, "rows": rows,
+                                   "count": count})
+                except sqlite3.Error as exc:
+                    tables.append({"name": str(name), "error": str(exc)})
+            return {"tables": tables, "limit": SQLITE_ROWS}
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return {"error": f"not a readable SQLite database: {exc}"}
+    finally:
+        os.unlink(tmp)
+
+
+async def raw(request: web.Request) -> web.StreamResponse:
+    """A file's bytes: a raster image inline, anything else only as a download."""
+    view = View(request)
+    volume = view.volume()
+
+    def run() -> tuple[Entry, str, str]:
+        sid = view.snapshot(volume)
+        path = view.path()
+        e = _resolve(view.store, sid, path)
+        if e.kind != K_FILE:
+            raise InvalidInput(f"{printable(path)!r} is not a regular file")
+        return e, sniff(b"".join(_read(view.store, e, SNIFF))), path
+
+    e, kind, path = await view.run(run)
+    headers = {**_headers(RAW_CSP), "Cache-Control": "private, max-age=3600",
+               "Cross-Origin-Resource-Policy": "same-origin"}
+    if kind.startswith("image/"):
+        ctype = kind
+    else:
+        ctype = "application/octet-stream"
+        name = encode_name(path.rpartition("/")[2])
+        ascii_name = "".join(c if 32 < ord(c) < 127 and c not in '"\\;' else "_"
+                             for c in name.decode("ascii", "replace")) or "file"
+        headers["Content-Disposition"] = (f"attachment; filename=\"{ascii_name}\"; "
+                                          f"filename*=UTF-8''{urllib.parse.quote(name)}")
+    resp = web.StreamResponse(headers={**headers, "Content-Type": ctype})
+    resp.content_length = e.size
+    await resp.prepare(request)
+    pieces = _read(view.store, e)
+    while True:
+        batch = await view.run(lambda: list(itertools.islice(pieces, 16)))
+        if not batch:
+            break
+        for piece in batch:
+            await resp.write(piece)
+    await resp.write_eof()
+    return resp
+
+
+# -- diffs --------------------------------------------------------------------------------
+
+async def api_diff(request: web.Request) -> web.StreamResponse:
+    """The paths that differ between snapshots a and b, streamed one JSON line each.
+
+    Lines come as the trees are walked, so a large diff starts showing at
+    once; after DIFF_LIMIT paths the rest is only counted. The last line is
+    `{"end": true, "total": N, "truncated": bool}`.
+    """
+    view = View(request)
+    volume = view.volume()
+
+    def start() -> Iterator[tuple[str, Entry | None, Entry | None]]:
+        a = view.snapshot(volume, "a")
+        b = view.snapshot(volume, "b")
+        store = view.store
+        trees = Trees(store, store.node_cache)
+        return trees.diff(store.snapshot(a).root, store.snapshot(b).root)
+
+    lines = await view.run(start)
+    resp = web.StreamResponse(headers={**_headers(), "Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    total = 0
+    while True:
+        batch = await view.run(lambda: list(itertools.islice(lines, 500)))
+        if not batch:
+            break
+        out = []
+        for path, old, new in batch:
+            total += 1
+            if total > DIFF_LIMIT:
+                continue
+            change = "added" if old is None else "deleted" if new is None else "modified"
+            e = new if new is not None else old
+            assert e is not None
+            out.append(json.dumps({"path": printable(path), "q": quote(path), "change": change,
+                                   "type": ENTRY_KIND_NAMES[e.kind],
+                                   "old_size": old.size if old else None,
+                                   "new_size": new.size if new else None}) + "\n")
+        if out:
+            await resp.write("".join(out).encode())
+    await resp.write((json.dumps({"end": True, "total": total,
+                                  "truncated": total > DIFF_LIMIT}) + "\n").encode())
+    await resp.write_eof()
+    return resp
+
+
+def _side(store: Store, sid: str, path: str) -> tuple[Entry | None, bytes | None]:
+    e = Trees(store, store.node_cache).resolve(store.snapshot(sid).root, split_path(path))
+    if e is None or e.kind != K_FILE:
+        return e, None
+    return e, b"".join(_read(store, e, DIFF_FILE_LIMIT + 1))
+
+
+async def api_filediff(request: web.Request) -> web.Response:
+    """One path's change between snapshots a and b: a unified diff for text."""
+    view = View(request)
+    volume = view.volume()
+
+    def run() -> dict[str, Any]:
+        a = view.snapshot(volume, "a")
+        b = view.snapshot(volume, "b")
+        path = view.path()
+        ea, da = _side(view.store, a, path)
+        eb, db = _side(view.store, b, path)
+        out: dict[str, Any] = {"path": printable(path), "q": quote(path),
+                               "old_size": ea.size if ea else None,
+                               "new_size": eb.size if eb else None}
+        texts: list[list[str]] = []
+        for data in (da, db):
+            if data is None:
+                texts.append([])
+                continue
+            if len(data) > DIFF_FILE_LIMIT or sniff(data[:SNIFF]) != "text":
+                out["kind"] = "binary"
+                out["old_sha256"] = hashlib.sha256(da).hexdigest() if da is not None else None
+                out["new_sha256"] = hashlib.sha256(db).hexdigest() if db is not None else None
+                return out
+            texts.append(data.decode("utf-8", "replace").splitlines())
+        out["kind"] = "text"
+        out["diff"] = list(difflib.unified_diff(texts[0], texts[1], f"a/{printable(path)}",
+                                                f"b/{printable(path)}", lineterm=""))
+        return out
+
+    return _json(await view.run(run))
+
+
+# -- rejected change sets ---------------------------------------------------------------------
+
+async def api_rejected(request: web.Request) -> web.Response:
+    """A rejected change set beside what it conflicted with.
+
+    `rejected/<run>` holds the refused change set published on the snapshot
+    the run started from. What it conflicted with is on the volume's other
+    branches: the snapshots published since that base that touched the same
+    paths.
+    """
+    view = View(request)
+    volume = view.volume()
+    branch = view.branch(volume)
+
+    def run() -> dict[str, Any]:
+        store = view.store
+        heads = view.heads(volume)
+        if branch not in heads:
+            raise NotFound(f"no branch {branch!r} in volume {volume!r}")
+        head = heads[branch]
+        info = store.snapshot(head)
+        base = info.parent
+        trees = Trees(store, store.node_cache)
+        mine: dict[str, str] = {}
+        if base is not None:
+            for path, old, new in itertools.islice(
+                    trees.diff(store.snapshot(base).root, info.root), DIFF_LIMIT):
+                mine[path] = "added" if old is None else "deleted" if new is None else "modified"
+        against = []
+        for other, ohead in sorted(heads.items()):
+            if other == branch or other.startswith("rejected/") or base is None:
+                continue
+            chain: list[str] = []
+            cur: str | None = ohead
+            while cur is not None and cur != base and len(chain) < 1000:
+                chain.append(cur)
+                cur = store.snapshot(cur).parent
+            if cur != base:
+                continue  # this branch does not descend from the run's base
+            snaps = []
+            for sid in reversed(chain):
+                s = store.snapshot(sid)
+                parent = s.parent
+                touched = []
+                if parent is not None:
+                    for path, _o, _n in itertools.islice(
+                            trees.diff(store.snapshot(parent).root, s.root), DIFF_LIMIT):
+                        if path in mine:
+                            touched.append({"path": printable(path), "q": quote(path)})
+                if touched:
+                    snaps.append({"id": sid, "parent": parent, "message": s.message,
+                                  "time": s.time_ns / 1e9, "paths": touched})
+            if snaps:
+                against.append({"branch": other, "snapshots": snaps})
+        return {"volume": volume, "branch": branch, "head": head, "base": base,
+                "message": info.message, "time": info.time_ns / 1e9,
+                "changes": [{"path": printable(p), "q": quote(p), "change": c}
+                            for p, c in mine.items()],
+                "conflicts_with": against}
+
+    return _json(await view.run(run))
+
+
+# -- live updates -------------------------------------------------------------------------
+
+async def ui_events(request: web.Request) -> web.StreamResponse:
+    """The session's own event stream (the cookie's scope; same events as GET /events)."""
+    view = View(request)
+    resp: web.StreamResponse = await events_mod.answer(request, view.state, view.scope)
+    return resp
+
+
+def register(app: web.Application, state: Any) -> None:
+    app[STATE_KEY] = state
+    r = app.router
+    r.add_get("/ui", _to_root)
+    r.add_get("/ui/", page)
+    r.add_get("/ui/login", login)
+    r.add_get("/ui/static/{name}", static)
+    r.add_get("/ui/api/volumes", api_volumes)
+    r.add_get("/ui/api/log", api_log)
+    r.add_get("/ui/api/tree", api_tree)
+    r.add_get("/ui/api/file", api_file)
+    r.add_get("/ui/api/diff", api_diff)
+    r.add_get("/ui/api/filediff", api_filediff)
+    r.add_get("/ui/api/rejected", api_rejected)
+    r.add_get("/ui/raw", raw)
+    r.add_get("/ui/events", ui_events)
+
+
+async def _to_root(request: web.Request) -> web.Response:
+    raise web.HTTPFound("/ui/")

@@ -1,0 +1,69 @@
+"""`strata watch --json` against real steps publishing at once: every event once, in order."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from typing import Any
+
+from run_harness import STRATA, StepEnv, finish
+
+
+def _reader(proc: subprocess.Popen[str], out: list[dict[str, Any]]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        out.append(json.loads(line))
+
+
+def _wait(cond: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())
+
+
+def test_watch_json_sees_every_publish_once_in_order(senv: StepEnv) -> None:
+    watch = subprocess.Popen([*STRATA, "watch", "v", "--json"], env=senv.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events: list[dict[str, Any]] = []
+    t = threading.Thread(target=_reader, args=(watch, events), daemon=True)
+    t.start()
+    try:
+        assert _wait(lambda: any(e["type"] == "hello" for e in events), 20), events
+        start = events[0]["heads"]["v@live"]
+        n = 8
+        steps = [senv.start_step(["v"], ["sh", "-c", f'echo {i} > "$STRATA_STORAGE/v/f{i}"'])
+                 for i in range(n)]
+        results = [finish(p) for p in steps]
+        assert [r.rc for r in results] == [0] * n, [r.stderr for r in results]
+        # A change against an old base that touches a path moved since: a conflict.
+        senv.run("put", "v", "f0", "--base", start, "-m", "late", input="late\n", rc=3)
+        senv.run("fork", "v", "side")
+        assert _wait(lambda: any(e["type"] == "fork" for e in events), 20), events
+    finally:
+        watch.terminate()
+        watch.wait(10)
+    pubs = [e for e in events if e["type"] == "publish"]
+    log = json.loads(senv.run("log", "v", "--json").stdout)
+    published = [s["id"] for s in reversed(log)][1:]  # oldest first, past the start
+    assert [e["snapshot"] for e in pubs] == published  # each once, in publish order
+    assert pubs[0]["parent"] == start
+    for prev, cur in zip(pubs, pubs[1:], strict=False):
+        assert cur["parent"] == prev["snapshot"]
+    runs = {r.out["run"] for r in results}
+    assert {e["run"] for e in pubs} == runs
+    assert all((e["added"], e["deleted"], e["modified"], e["status"]) == (1, 0, 0, 0)
+               for e in pubs)
+    seqs = [e["seq"] for e in events if "seq" in e and e["type"] != "hello"]
+    assert seqs == sorted(set(seqs))
+    (conflict,) = [e for e in events if e["type"] == "conflict"]
+    assert conflict["paths"] == ["f0"] and conflict["branch"] == "live"
+    (fork,) = [e for e in events if e["type"] == "fork"]
+    assert (fork["branch"], fork["snapshot"]) == ("side", published[-1])
+    # The event order is the order things happened in: publishes, conflict, fork.
+    kinds = [e["type"] for e in events if e["type"] != "hello"]
+    assert kinds == ["publish"] * n + ["conflict", "fork"]

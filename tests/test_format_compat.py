@@ -55,4 +55,4 @@ def test_a_version_1_store_opens_reads_and_takes_new_publishes(tmp_path: Path) -
         assert store.fsck()["ok"]
     packs = sorted((tmp_path / "packs").glob("*.pack"))
     assert {p.name: p.read_bytes() for p in packs if p.name in old} == old  # untouched
-    assert packfmt.read_info(str(packs[-1])).version == packfmt.PACK_VERSION == 2
+    assert packfmt.read_info(str(packs[-1])).version == packfmt.PACK_VERSION == 3

@@ -74,7 +74,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     with open_store(args) as store:
         if isinstance(store, LocalStore):
-            stats: dict[str, Any] = {**store.stats, "bucket": store.tier_report()}
+            stats: dict[str, Any] = {**store.stats, "bucket": store.tier_report(),
+                                     "gc": store.gc_report()}
         else:
             assert isinstance(store, RemoteStore)
             stats = store.admin("GET", "stats")
@@ -82,8 +83,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print_json(stats)
         return 0
     tier = stats.pop("bucket", None)
+    gc = stats.pop("gc", None)
     for k, v in sorted(stats.items()):
         print(f"{k:>22}: {v}")
+    if gc:
+        print("last garbage collection:")
+        for k in ("started", "seconds", "live_bytes", "dead_bytes", "bytes_freed",
+                  "bytes_reclaimed", "objects_deleted", "snapshots_expired", "packs_deleted",
+                  "packs_compacted", "waiting"):
+            print(f"{k:>22}: {gc.get(k)}")
     if tier:
         print("bucket tier:")
         for k, v in tier.items():

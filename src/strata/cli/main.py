@@ -13,7 +13,18 @@ import traceback
 from collections.abc import Sequence
 
 from strata import __version__
-from strata.cli import admin, branches, mount, read, run, serve, volumes, watch, write
+from strata.cli import (
+    admin,
+    branches,
+    lifecycle,
+    mount,
+    read,
+    run,
+    serve,
+    volumes,
+    watch,
+    write,
+)
 from strata.cli.common import quote_path, unquote_path
 from strata.engine.errors import Conflict, StrataError
 
@@ -45,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="A versioned, transactional, forkable filesystem.")
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (admin, volumes, branches, read, write, serve, mount, run, watch):
+    for module in (admin, volumes, branches, lifecycle, read, write, serve, mount, run, watch):
         module.register(sub, common)
     return parser
 

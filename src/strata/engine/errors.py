@@ -28,6 +28,12 @@ class NotFound(StrataError):
     http_status = 404
 
 
+class Expired(NotFound):
+    """A snapshot that garbage collection removed under a retention policy (HTTP 410)."""
+
+    http_status = 410
+
+
 class AlreadyExists(StrataError):
     """A volume or branch of that name already exists."""
 

@@ -35,6 +35,7 @@ from strata.engine.refs import Key, Refs, apply_op
 
 def fsck(packs: PackStore, journal: Journal, refs: Refs, indexer: Indexer,
          get_object: Callable[[bytes], bytes], recovery: dict[str, Any]) -> dict[str, Any]:
+    # History ends where garbage collection expired it (engine/gc.py): not missing.
     """Verify every record of every pack, the index, and every branch's tree."""
     indexer.flush()
     with journal.append_lock:  # a consistent cut: the packs up to here, refs as of here
@@ -81,13 +82,11 @@ def fsck(packs: PackStore, journal: Journal, refs: Refs, indexer: Indexer,
                                           "reason": "content does not match its id"})
                 continue
             report["objects"] += 1
-            located.setdefault(oid, (number, rec.offset, rec.length, kind))
+            # The newest copy wins, as in the index (compaction copies objects forward).
+            located[oid] = (number, rec.offset, rec.length, kind)
     for oid, loc in indexer.index.iter_objects():
         if located.get(oid) != loc:
             report["index_mismatch"] += 1
-    for oid in located:
-        if indexer.locate(oid) is None:
-            report["index_lacks"] += 1  # in a pack, unknown to the index
     # The refs the journal says, against the refs the store serves.
     for key in sorted(replayed_refs.keys() | refs_then.keys()):
         if replayed_refs.get(key) != refs_then.get(key):
@@ -98,7 +97,20 @@ def fsck(packs: PackStore, journal: Journal, refs: Refs, indexer: Indexer,
         report["refs_mismatch"].append({"volumes": sorted(replayed_vols ^ vols_then)})
     seen: set[bytes] = set()
     for (vol, br), sid in sorted(refs_then.items()):  # the cut taken above, not live refs
-        _check_reachable(get_object, bytes.fromhex(sid), located, seen, report, f"{vol}@{br}")
+        _check_reachable(get_object, bytes.fromhex(sid), located, seen, report, f"{vol}@{br}",
+                         indexer.index.is_expired)
+    # In a pack but unknown to the index: a fault if anything reaches it; otherwise it is
+    # garbage collection's, left until its pack is compacted.
+    for oid in located:
+        if indexer.locate(oid) is None:
+            if oid in seen and not indexer.index.is_expired(oid):
+                report["index_lacks"] += 1
+                report.setdefault("unindexed", [])
+                if len(report["unindexed"]) < 5:
+                    report["unindexed"].append({"object": oid.hex(),
+                                                "kind": KIND_NAMES[located[oid][3]]})
+            else:
+                report["collected"] = report.get("collected", 0) + 1
     report["ok"] = not (report["damaged"] or report["missing"] or report["index_mismatch"]
                         or report["index_lacks"] or report["refs_mismatch"])
     found = {k: v for k, v in recovery.items() if v}
@@ -109,13 +121,16 @@ def fsck(packs: PackStore, journal: Journal, refs: Refs, indexer: Indexer,
 
 def _check_reachable(get_object: Callable[[bytes], bytes], sid: bytes,
                      located: dict[bytes, Loc], seen: set[bytes], report: dict[str, Any],
-                     where: str) -> None:
+                     where: str, expired: Callable[[bytes], bool]) -> None:
     stack: list[tuple[bytes, int]] = [(sid, SNAPSHOT)]
     while stack:
         oid, kind = stack.pop()
         if oid in seen:
             continue
         seen.add(oid)
+        if kind == SNAPSHOT and oid != sid and expired(oid):
+            report["expired_history"] = report.get("expired_history", 0) + 1
+            continue
         if oid not in located:
             report["missing"].append({"object": oid.hex(), "kind": KIND_NAMES[kind],
                                       "from": where})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -39,6 +40,10 @@ class Index:
         self.meta = self.env.open_db(b"meta")
         self.leases = self.env.open_db(b"leases")
         self.reach = self.env.open_db(b"reach")  # derived from the rest: see engine/reach.py
+        # Garbage collection (engine/gc.py): snapshots it expired (so reads can say so),
+        # and objects it found unreachable, with when it first did.
+        self.expired = self.env.open_db(b"expired")
+        self.dead = self.env.open_db(b"dead")
         with self.env.begin(write=True) as txn:
             v = txn.get(b"version", db=self.meta)
             if v is None:
@@ -155,13 +160,72 @@ class Index:
 
     def apply(self, objects: list[tuple[bytes, tuple[int, int, int, int]]],
               ops: list[list[Any]], applied: tuple[int, int]) -> None:
-        """Write a batch of replayed records and the position they reach, atomically."""
+        """Write a batch of replayed records and the position they reach, atomically.
+
+        A later record of an object wins: compaction copies live objects forward
+        and the copy must be the one found, also when the log is replayed.
+        """
         with self.env.begin(write=True) as txn:
             for oid, loc in objects:
-                txn.put(oid, LOC.pack(*loc), db=self.objects, overwrite=False)
+                txn.put(oid, LOC.pack(*loc), db=self.objects)
             for op in ops:
                 apply_op_lmdb(txn, op, self)
             txn.put(b"applied", POS.pack(*applied), db=self.meta)
+
+
+    # -- garbage collection (engine/gc.py) ---------------------------------------------
+
+    def forget_objects(self, oids: Iterable[bytes], expired: Iterable[bytes] = ()) -> None:
+        """Drop dead objects from the index, and note expired snapshots, atomically."""
+        stamp = struct.pack("<Q", time.time_ns())
+        with self.env.begin(write=True) as txn:
+            for oid in oids:
+                txn.delete(oid, db=self.objects)
+                txn.delete(oid, db=self.dead)
+            for sid in expired:
+                txn.put(sid, stamp, db=self.expired)
+
+    def expired_items(self) -> list[tuple[bytes, bytes]]:
+        with self.env.begin(db=self.expired) as txn:
+            return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+
+    def note_expired(self, items: Iterable[tuple[bytes, bytes]]) -> None:
+        with self.env.begin(write=True, db=self.expired) as txn:
+            for k, v in items:
+                txn.put(k, v)
+                txn.delete(k, db=self.objects)  # its bytes may linger in a pack: still gone
+
+    def is_expired(self, sid: bytes) -> bool:
+        with self.env.begin(db=self.expired) as txn:
+            return txn.get(sid) is not None
+
+    def mark_dead(self, oids: Iterable[bytes], now_ns: int) -> dict[bytes, int]:
+        """Note when each object was first found unreachable; returns those times.
+
+        Objects no longer in `oids` (reachable again) are forgotten.
+        """
+        out: dict[bytes, int] = {}
+        stamp = struct.pack("<Q", now_ns)
+        want = set(oids)
+        with self.env.begin(write=True, db=self.dead) as txn:
+            for k, v in list(txn.cursor()):
+                if bytes(k) not in want:
+                    txn.delete(k)
+                else:
+                    out[bytes(k)] = struct.unpack("<Q", v)[0]
+            for oid in want - out.keys():
+                txn.put(oid, stamp)
+                out[oid] = now_ns
+        return out
+
+    def get_meta(self, key: bytes) -> bytes | None:
+        with self.env.begin(db=self.meta) as txn:
+            v = txn.get(key)
+        return bytes(v) if v is not None else None
+
+    def put_meta(self, key: bytes, value: bytes) -> None:
+        with self.env.begin(write=True, db=self.meta) as txn:
+            txn.put(key, value)
 
 
 def _refkey(vol: str, br: str) -> bytes:
@@ -170,7 +234,10 @@ def _refkey(vol: str, br: str) -> bytes:
 
 def apply_op_lmdb(txn: lmdb.Transaction, op: list[Any], ix: Index) -> None:
     kind = op[0]
-    if kind == "vol+":
+    if kind == "state":  # the whole state follows in the same commit
+        for db in (ix.volumes, ix.refs, ix.leases):
+            txn.drop(db, delete=False)
+    elif kind == "vol+":
         vid = str(op[2]) if len(op) > 2 and isinstance(op[2], str) else ""
         txn.put(str(op[1]).encode(), vid.encode(), db=ix.volumes)
     elif kind == "vol-":

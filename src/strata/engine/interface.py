@@ -81,6 +81,18 @@ class Store(ABC):
     block_size: int
     node_cache: NodeCache
 
+    def hold(self, sid: str) -> None:  # noqa: B027 - optional: most stores need nothing
+        """A transaction starts from snapshot `sid`: keep it from garbage collection.
+
+        For a while, or until a publish from it lands. A no-op by default.
+        """
+
+    def held_head(self, volume: str, branch: str) -> str:
+        """The branch's head, held (`hold`) in the same step: no collection between."""
+        sid = self.head(volume, branch)
+        self.hold(sid)
+        return sid
+
     # -- objects -------------------------------------------------------------
 
     @abstractmethod
@@ -175,10 +187,16 @@ class Store(ABC):
 
     def log(self, sid: str, limit: int | None = None) -> list[SnapshotInfo]:
         """History from `sid` back through its parents, newest first."""
+        from strata.engine.errors import Expired
         out: list[SnapshotInfo] = []
         cur: str | None = sid
         while cur is not None and (limit is None or len(out) < limit):
-            info = self.snapshot(cur)
+            try:
+                info = self.snapshot(cur)
+            except Expired:
+                if cur == sid:
+                    raise
+                break  # older history was let go by a retention policy
             out.append(info)
             cur = info.parent
         return out

@@ -135,13 +135,15 @@ class Journal:
                                                             self._config.compress)))
         return ids, frames
 
-    def append_records_locked(self, frames: Sequence[Frame], tail: bytes = b"") -> Pos:
+    def append_records_locked(self, frames: Sequence[Frame], tail: bytes = b"", *,
+                              copies: bool = False) -> Pos:
         """Append object frames (skipping any stored meanwhile) and then `tail`.
 
         One write for all of it; returns the position where `tail` starts.
-        Caller holds append_lock.
+        Caller holds append_lock. With `copies` (compaction) every frame is
+        appended: they are stored already, and the new copy takes over.
         """
-        todo = [f for f in frames if not self._indexer.has(f[0])]
+        todo = list(frames) if copies else [f for f in frames if not self._indexer.has(f[0])]
         if not todo and not tail:
             return self.end()
         # Seal first if due: every frame must carry the marker of the pack it lands in.
@@ -157,7 +159,7 @@ class Journal:
         self.stats["objects_written"] += len(todo)
         return number, offset
 
-    def commit(self, ops: list[list[Any]],
+    def commit(self, ops: list[list[Any]] | Callable[[], list[list[Any]]],
                expect: Sequence[tuple[str, str, str | None]] = (),
                frames: Sequence[Frame] = ()) -> Pos:
         """Append objects and one commit record after checking CAS; return its end.
@@ -167,6 +169,8 @@ class Journal:
         """
         with self.append_lock:
             self.check_usable()
+            if callable(ops):  # computed under the lock (the whole state: see state_ops)
+                ops = ops()
             self._refs.check(ops, expect)
             payload = packb({"t": time.time_ns(), "ops": ops})
             frame = packfmt.encode_frame(packfmt.R_COMMIT, payload)
@@ -225,6 +229,22 @@ class Journal:
         writer.close()
         self.packs.seal(number)
         self._new_pack(number + 1)
+
+    def copy_objects(self, frames: Sequence[Frame]) -> Pos:
+        """Append copies of stored objects (compaction); returns where they end."""
+        with self.append_lock:
+            self.check_usable()
+            self.append_records_locked(frames, copies=True)
+            return self.end()
+
+    def seal_now(self) -> bool:
+        """Seal the active pack if it holds any record (GC empties it this way)."""
+        with self.append_lock:
+            self.check_usable()
+            if self.tail[2] <= packfmt.HEADER_SIZE:
+                return False
+            self._seal_locked()
+            return True
 
     def maybe_seal_by_age(self) -> None:
         _w, _n, offset, born = self.tail

@@ -20,6 +20,7 @@ keep the two in step.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -28,12 +29,14 @@ from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from strata.engine import gc as gcmod
 from strata.engine import pack as packfmt
 from strata.engine.changes import rebase
 from strata.engine.errors import (
     AlreadyExists,
     Conflict,
     Corrupt,
+    Expired,
     Forbidden,
     InvalidInput,
     Locked,
@@ -73,7 +76,14 @@ if TYPE_CHECKING:
     from strata.engine.tier import TieredPacks
 from strata.engine.reach import volume_key
 from strata.engine.recovery import open_index, rebuild_index
-from strata.engine.refs import CasMismatch, Refs, lease_fencing, lease_key, lease_matches
+from strata.engine.refs import (
+    CasMismatch,
+    Refs,
+    lease_fencing,
+    lease_key,
+    lease_matches,
+    state_ops,
+)
 from strata.engine.storedir import (
     StoreConfig,
     StoreLock,
@@ -118,6 +128,15 @@ class LocalStore(Store):
         self.recovery: dict[str, Any] = {"truncated": [], "damaged": [], "replayed": 0}
         self._branch_locks: dict[tuple[str, str], threading.Lock] = {}
         self._branch_locks_guard = threading.Lock()
+        # Garbage collection (engine/gc.py): what it must not take away.
+        self.gate = gcmod.Gate()
+        self.pins = gcmod.Pins()
+        self.policies = gcmod.Policies(self.path)
+        self.gc_lock = threading.Lock()
+        self._opened = time.monotonic()
+        self._touched: dict[bytes, float] = {}  # uploaded or found present: oid -> when
+        self._held: dict[bytes, tuple[int, float]] = {}  # transaction bases: count, when
+        self._touched_guard = threading.Lock()
         try:
             index = open_index(self.index_dir, self._packs, self.recovery)
             self._indexer = Indexer(index, lambda: self._journal.durable, self.recovery)
@@ -152,23 +171,92 @@ class LocalStore(Store):
         for oid in ids:
             if not isinstance(oid, bytes) or len(oid) != ID_LEN:
                 raise InvalidInput("object ids are 32 bytes")
-            if not self._indexer.has(oid):
-                out.append(oid)
+        with self.gate.shared():  # what is found here stays until the publish comes
+            present = []
+            for oid in ids:
+                if self._indexer.has(oid):
+                    present.append(oid)
+                else:
+                    out.append(oid)
+            self._touch(present)
         return out
 
     def put_objects(self, objects: Sequence[tuple[int, bytes]]) -> list[bytes]:
         self._journal.check_usable()
         ids, frames = self._journal.frame_objects(objects)
-        if frames:
-            with self._journal.append_lock:
-                self._journal.check_usable()
-                self._journal.append_records_locked(frames)
+        with self.gate.shared():
+            if frames:
+                with self._journal.append_lock:
+                    self._journal.check_usable()
+                    self._journal.append_records_locked(frames)
+            self._touch(ids)  # sent ahead of its publish: pinned until it comes
         return ids
+
+    def _touch(self, oids: Sequence[bytes]) -> None:
+        now = time.monotonic()
+        with self._touched_guard:
+            for oid in oids:
+                self._touched[oid] = now
+            if len(self._touched) > 1024 and len(self._touched) % 1024 == 0:
+                self._prune_touched(now)
+
+    def _prune_touched(self, now: float) -> None:
+        old = [o for o, t in self._touched.items() if now - t > gcmod.UPLOAD_PIN]
+        for o in old:
+            del self._touched[o]
+
+    def upload_pins(self) -> set[bytes]:
+        """What is pinned for transactions in progress.
+
+        Objects uploaded ahead of a publish or found present by `missing`, lately;
+        and the snapshots transactions started from (until they publish, or a while).
+        """
+        now = time.monotonic()
+        with self._touched_guard:
+            self._prune_touched(now)
+            for key in [k for k, (_c, t) in self._held.items() if now - t > gcmod.UPLOAD_PIN]:
+                del self._held[key]
+            return set(self._touched) | set(self._held)
+
+    def hold(self, sid: str) -> None:
+        """Count a transaction starting from `sid`; its publish lets go (`_release`)."""
+        try:
+            key = bytes.fromhex(sid)
+        except ValueError:
+            return
+        with self._touched_guard:
+            count, _t = self._held.get(key, (0, 0.0))
+            self._held[key] = (count + 1, time.monotonic())
+
+    def _release(self, sids: list[str]) -> None:
+        with self._touched_guard:
+            for sid in sids:
+                key = bytes.fromhex(sid)
+                count, t = self._held.get(key, (0, 0.0))
+                if count <= 1:
+                    self._held.pop(key, None)
+                else:
+                    self._held[key] = (count - 1, t)
+
+    def held_head(self, volume: str, branch: str) -> str:
+        with self.gate.shared():  # not between a sweep's roots and its deletions
+            sid = self.head(volume, branch)
+            self.hold(sid)
+        return sid
+
+    def _untouch(self, oids: set[bytes]) -> None:
+        """A publish named these: they are reachable now, or garbage like any other."""
+        with self._touched_guard:
+            for oid in oids:
+                self._touched.pop(oid, None)
 
     def get_object(self, oid: bytes) -> bytes:
         self._check_open()
         loc = self._indexer.locate(oid)
         if loc is None:
+            if self.index.is_expired(oid):
+                raise Expired(f"snapshot {oid.hex()} expired (retention policy; "
+                              "garbage collection removed it)")
             raise no_object(oid)
         frame = self._packs.pread(loc[0], loc[2], loc[1])
         name = self._packs.label(loc[0])
@@ -292,11 +380,13 @@ class LocalStore(Store):
         sid = EMPTY_SNAPSHOT_ID if at is None else check_hex_id(at)
         if self.object_kind(bytes.fromhex(sid)) != SNAPSHOT:
             raise NotFound(f"no snapshot {sid}")
-        with self._branch_lock(volume, new_branch):
+        with self.gate.shared(), self._branch_lock(volume, new_branch):
             if volume not in self._refs.pending_vols:
                 raise NotFound(f"no volume {volume!r}")
             if (volume, new_branch) in self._refs.pending:
                 raise AlreadyExists(f"branch {new_branch!r} already exists in {volume!r}")
+            if self.object_kind(bytes.fromhex(sid)) != SNAPSHOT:
+                raise NotFound(f"no snapshot {sid}")  # collected meanwhile
             pos = self._journal.commit([["ref", volume, new_branch, None, sid]],
                                        [(volume, new_branch, None)])
         self._journal.wait_durable(pos)
@@ -423,8 +513,15 @@ class LocalStore(Store):
         """`publish`, also returning the tree nodes it wrote (id -> raw).
 
         The server sends those to the client with its answer: they are the
-        nodes the client reads next.
+        nodes the client reads next. Garbage collection's sweep waits for
+        publishes in flight (and they for it): what a publish checked exists
+        stays until it lands.
         """
+        with self.gate.shared():
+            return self._publish(changesets, objects, txid)
+
+    def _publish(self, changesets: Sequence[ChangeSet], objects: Sequence[tuple[int, bytes]],
+                 txid: bytes | None) -> tuple[list[str], dict[bytes, bytes]]:
         self._journal.check_usable()
         if not changesets:
             raise InvalidInput("nothing to publish")
@@ -435,13 +532,16 @@ class LocalStore(Store):
             check_volume(cs.volume)
             check_branch(cs.branch)
             check_hex_id(cs.base)
+            if cs.branch.startswith(gcmod.TAG_PREFIX):
+                raise InvalidInput(f"{cs.volume}@{cs.branch} is a tag: tags do not move")
             _check_message_meta(cs.message, cs.meta)
             keys.append((cs.volume, cs.branch))
         if len(set(keys)) != len(keys):
             raise InvalidInput("a branch appears twice in one publish")
         _ids, given = self._journal.frame_objects(objects)
-        self._check_refs_exist(changesets, {oid: kind for oid, kind, _f in given},
-                               {object_id(k, raw): raw for k, raw in objects if k == FILENODE})
+        named_blocks = self._check_refs_exist(
+            changesets, {oid: kind for oid, kind, _f in given},
+            {object_id(k, raw): raw for k, raw in objects if k == FILENODE})
         locks = [self._branch_lock(v, b) for v, b in sorted(keys)]
         self._journal.publish_started()
         for lock in locks:
@@ -510,6 +610,9 @@ class LocalStore(Store):
                 lock.release()
             self._journal.publish_done()
         self._journal.wait_durable(pos)
+        self._untouch({e.ref for cs in changesets for e in cs.changes.values()
+                       if isinstance(e, Entry) and e.ref is not None} | named_blocks)
+        self._release([cs.base for cs in changesets])
         return results, trees.new
 
     def _landed(self, changesets: Sequence[ChangeSet], txid: bytes) -> list[str] | None:
@@ -604,8 +707,10 @@ class LocalStore(Store):
                 raise InvalidInput(f"publish refers to object {oid.hex()} the store lacks")
 
     def _check_refs_exist(self, changesets: Sequence[ChangeSet], given: dict[bytes, int],
-                          nodes: dict[bytes, bytes] | None = None) -> None:
+                          nodes: dict[bytes, bytes] | None = None) -> set[bytes]:
+        """Check the change sets' references exist; returns the blocks their files name."""
         want: dict[bytes, int] = {}
+        named: set[bytes] = set()
         for cs in changesets:
             if not isinstance(cs.changes, dict):
                 raise InvalidInput("changes must map paths to entries")
@@ -633,6 +738,8 @@ class LocalStore(Store):
                     if b != ZERO_ID and b not in given and not self._indexer.has(b):
                         raise InvalidInput(f"file node {oid.hex()} names block {b.hex()} "
                                            "the store lacks")
+                    named.add(b)
+        return named
 
     # -- maintenance ---------------------------------------------------------------------
 
@@ -651,6 +758,47 @@ class LocalStore(Store):
     def tier_report(self) -> dict[str, Any] | None:
         """The bucket tier's state (None for a store without a bucket)."""
         return self._tier.report() if self._tier is not None else None
+
+    # -- garbage collection (engine/gc.py) ---------------------------------------------
+
+    def gc(self, *, min_age: float = gcmod.DEFAULT_MIN_AGE, dry_run: bool = False
+           ) -> dict[str, Any]:
+        """One garbage collection pass; returns what it found and freed."""
+        self._check_open()
+        return gcmod.collect(self, min_age=min_age, dry_run=dry_run)
+
+    def gc_blocked(self) -> str | None:
+        """Why GC cannot run now, if it cannot."""
+        if self._tier is not None and not self._tier.index_complete():
+            return ("the index is still being copied from the bucket after a restore; "
+                    "garbage collection waits for it")
+        return None
+
+    def opened_for(self) -> float:
+        return time.monotonic() - self._opened
+
+    def forget(self, oids: list[bytes], expired: list[bytes]) -> None:
+        """Drop collected objects from the index (callers hold the gate alone)."""
+        self.index.forget_objects(oids, expired)
+        self.node_cache.clear()
+        self._snap_cache.clear()
+
+    def pack_deletable(self, number: int) -> bool:
+        return self._tier is None or self._tier.deletable(number)
+
+    def remove_pack(self, number: int) -> None:
+        """Delete an empty sealed pack, once the whole ref state is in the journal.
+
+        An index rebuild from the packs left must not miss their commit records.
+        """
+        pos = self._journal.commit(lambda: state_ops(self._refs))
+        self._journal.wait_durable(pos)
+        self.sync_index()
+        self._packs.remove(number)
+
+    def gc_report(self) -> dict[str, Any] | None:
+        raw = self.index.get_meta(b"gc-last")
+        return json.loads(raw) if raw else None
 
     def fsck(self) -> dict[str, Any]:
         """Verify every record of every pack, the index, and every branch's tree."""

@@ -22,8 +22,10 @@ import zstandard
 from strata.engine.errors import Corrupt, InvalidInput
 
 PACK_MAGIC = b"STRATAPK"
-PACK_VERSION = 2          # what this strata writes
-PACK_VERSIONS = (1, 2)    # what it reads
+PACK_VERSION = 3          # what this strata writes
+PACK_VERSIONS = (1, 2, 3)  # what it reads
+# v3: as v2; a commit record may hold a ["state"] op (garbage collection writes the
+# whole ref state before it deletes packs): a v2 reader would misread it
 # v2: magic, version, flags, pack number, created ns, store id, sync marker
 HEADER = struct.Struct("<8sHHIQ16s16s")
 HEADER_SIZE = HEADER.size  # 56

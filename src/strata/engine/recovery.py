@@ -105,6 +105,8 @@ def rebuild_index(path: str, packs: PackStore, report: dict[str, Any], journal: 
             Index.destroy(tmp)
             fresh = Index(tmp)
             replay(packs, fresh, None, report, repair=False)
+            # Which snapshots garbage collection expired is not in the packs: keep it.
+            fresh.note_expired(indexer.index.expired_items())
             fresh.close()
             indexer.index.close()  # readers racing this admin call may see an error
             Index.destroy(path)

@@ -50,7 +50,10 @@ class Refs:
         """A commit ending at `end` was appended: pending now, served once durable."""
         for op in ops:
             apply_op(op, self.pending_vols, self.pending)
-            if op[0] == "lease":
+            if op[0] == "state":
+                self.leases.clear()
+                self.vol_ids.clear()
+            elif op[0] == "lease":
                 self.leases[(op[1], op[2])] = Lease(op[3], op[4], op[5], op[6])
             elif op[0] == "vol+":
                 self.vol_ids[op[1]] = op[2]
@@ -72,7 +75,10 @@ class Refs:
 
 def apply_op(op: list[Any], vols: set[str], refs: dict[Key, str]) -> None:
     kind = op[0]
-    if kind == "vol+":
+    if kind == "state":  # the whole state follows in the same commit
+        vols.clear()
+        refs.clear()
+    elif kind == "vol+":
         vols.add(op[1])
     elif kind == "vol-":
         vols.discard(op[1])
@@ -83,6 +89,19 @@ def apply_op(op: list[Any], vols: set[str], refs: dict[Key, str]) -> None:
             refs.pop((op[1], op[2]), None)
         else:
             refs[(op[1], op[2])] = op[4]
+
+
+def state_ops(refs: Refs) -> list[list[Any]]:
+    """One commit's ops that set the whole ref state as it is pending now.
+
+    Garbage collection appends it before deleting packs, whose commit records an
+    index rebuild would otherwise miss. Caller holds the journal's append lock.
+    """
+    ops: list[list[Any]] = [["state"]]
+    ops += [["vol+", v, refs.vol_ids.get(v, "")] for v in sorted(refs.pending_vols)]
+    ops += [["ref", v, b, None, sid] for (v, b), sid in sorted(refs.pending.items())]
+    ops += [["lease", v, b, *lease[:4]] for (v, b), lease in sorted(refs.leases.items())]
+    return ops
 
 
 class CasMismatch(NotFound):

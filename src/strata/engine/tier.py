@@ -143,6 +143,9 @@ class TieredPacks(PackStore):
         self._last_read: dict[int, float] = {}
         self._misses: collections.Counter[int] = collections.Counter()
         self._fetches: collections.deque[int] = collections.deque()
+        # Bucket objects of packs garbage collection removed: (name, checkpoints written
+        # before the removal). Deleted once a later checkpoint is in the log.
+        self._doomed: list[tuple[str, float]] = []
         # Packs the last checkpoint this owner saved names as uploaded: only these may
         # be evicted, since a reopened store learns where packs are from that file.
         self._checkpointed: set[int] = set(checkpoint.packs) if checkpoint else set()
@@ -158,7 +161,7 @@ class TieredPacks(PackStore):
                       "bytes_uploaded": 0, "checkpoints": 0, "ranged_reads": 0,
                       "last_checkpoint": 0.0, "last_ship": 0.0, "max_unshipped_ms": 0.0,
                       "outages": 0, "evicted": 0, "evicted_bytes": 0, "fetched_back": 0,
-                      "index_entries_hydrated": 0}
+                      "index_entries_hydrated": 0, "packs_deleted": 0}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fence_thread: threading.Thread | None = None
@@ -388,6 +391,8 @@ class TieredPacks(PackStore):
                     break
         elif self._changed and now - self._checkpointed_at >= CHECKPOINT_INTERVAL:
             self.checkpoint()
+        if self._doomed:
+            self._delete_doomed()
         while self._fetches:
             self._fetch_back(self._fetches[0])
             self._fetches.popleft()
@@ -639,10 +644,44 @@ class TieredPacks(PackStore):
         self._record((number, size, None))
 
     def remove(self, number: int) -> None:
-        self.local.remove(number)
+        """Drop a pack: recovery's empty new pack, or one garbage collection emptied.
+
+        A pack in the bucket leaves the next checkpoint, and its object is deleted
+        only once a checkpoint written after that is in the log (restores read the
+        newest checkpoint, so none needs it then).
+        """
         with self._lock:
+            here = number in self._local
             self._local.discard(number)
+            if number in self.remote:
+                self._doomed.append((self.remote.pop(number)[0], self.stats["checkpoints"]))
+                self._changed = True
+            with contextlib.suppress(ValueError):
+                self._uploads.remove(number)
+        if here:
+            self.local.remove(number)
         self._record((number, 0, None))
+
+    def index_complete(self) -> bool:
+        """Whether the local index holds every object (after a restore it comes lazily)."""
+        return self._run is None
+
+    def deletable(self, number: int) -> bool:
+        return True  # the bucket's copy is deleted later, by the rule in `remove`
+
+    def _delete_doomed(self) -> None:
+        with self._lock:
+            done = self.stats["checkpoints"]
+            ready = [name for name, at in self._doomed if at < done]
+            self._doomed = [(n, at) for n, at in self._doomed if at >= done]
+        for name in ready:
+            try:
+                self.bucket.delete(name)
+                self.stats["packs_deleted"] += 1
+            except BucketUnavailable:
+                with self._lock:
+                    self._doomed.append((name, -1))  # again next time
+
 
     def close(self) -> None:
         self._stop.set()
@@ -738,6 +777,9 @@ def apply_segments(local: LocalPacks, log: OwnerLog, start: int, end: int,
     finally:
         for fd in files.values():
             os.close(fd)
+    for n in files:
+        if local.size(n) == 0:  # removed by its owner (garbage collection): not a pack
+            local.remove(n)
     report["packs"] = len(files)
     return report
 

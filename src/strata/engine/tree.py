@@ -54,6 +54,10 @@ class NodeCache:
                 self._d.move_to_end(oid)
             return node
 
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+
     def put(self, oid: bytes, node: TreeNode) -> None:
         with self._lock:
             self._d[oid] = node

@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -692,7 +693,7 @@ async def stats(request: web.Request) -> web.Response:
     store = state.need_store()
     tier = await state.run(store.tier_report)
     return web.json_response({**store.stats, **state.served, "bucket": tier,
-                              "listen": state.listens})
+                              "gc": store.gc_report(), "listen": state.listens})
 
 
 async def fsck(request: web.Request) -> web.Response:
@@ -707,6 +708,42 @@ async def fsck(request: web.Request) -> web.Response:
     else:
         report = await state.run(store.fsck)
     return web.json_response(report)
+
+
+async def gc(request: web.Request) -> web.Response:
+    """One garbage collection pass (engine/gc.py), owner only."""
+    _owner(request)
+    state = request.app[STATE]
+    store = state.need_store()
+    body = await _json(request) if request.can_read_body else {}
+    min_age = _field(body, "min_age", (int, float), optional=True)
+    dry = _field(body, "dry_run", bool, optional=True)
+    kw: dict[str, Any] = {"dry_run": bool(dry)}
+    if min_age is not None:
+        kw["min_age"] = float(min_age)
+    report = await state.run(lambda: store.gc(**kw))
+    return web.json_response(report)
+
+
+async def policy(request: web.Request) -> web.Response:
+    """A volume's retention policy: GET ?volume=V[&branch=B]; POST sets fields (owner only)."""
+    _owner(request)
+    store = request.app[STATE].need_store()
+    if request.method == "GET":
+        volume, branch = request.query.get("volume", ""), request.query.get("branch", "")
+    else:
+        body = await _json(request)
+        volume = _field(body, "volume", str)
+        branch = _field(body, "branch", str, optional=True) or ""
+    check_volume(volume)
+    if branch:
+        check_branch(branch)
+    store.list_branches(volume)  # the volume must exist
+    if request.method == "POST":
+        fields = {k: _field(body, k, (int, float), optional=True)
+                  for k in ("keep_last", "keep_newer", "expire_runs") if k in body}
+        store.policies.set(volume, branch or None, **fields)
+    return web.json_response(asdict(store.policies.get(volume, branch)))
 
 
 async def events(request: web.Request) -> web.StreamResponse:
@@ -759,6 +796,9 @@ def make_app(state: ServerState) -> web.Application:
     r.add_delete("/v1/admin/tokens/{tid}", token_revoke)
     r.add_get("/v1/admin/stats", stats)
     r.add_post("/v1/admin/fsck", fsck)
+    r.add_post("/v1/admin/gc", gc)
+    r.add_get("/v1/admin/policy", policy)
+    r.add_post("/v1/admin/policy", policy)
     r.add_post("/v1/admin/handoff", handoff)
     r.add_post("/v1/admin/stop", stop)
     r.add_get("/events", events)

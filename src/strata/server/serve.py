@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from strata.engine.errors import InvalidInput, Unavailable
+from strata.engine.errors import InvalidInput, StrataError, Unavailable
 from strata.engine.local import LocalStore, StoreConfig, read_store_meta
 from strata.memtrim import return_large_buffers_to_the_os
 from strata.server.app import ServerState, make_app
 from strata.server.client import _UnixConnection, default_socket
 from strata.server.tokens import TokenStore
+
+GC_INTERVAL = 600.0  # seconds between background garbage collection passes (0: none)
 
 
 @dataclass
@@ -205,7 +207,22 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
                 await on_stop()
                 return
 
+    async def collect_garbage(every: float) -> None:
+        """Garbage collection in the background (engine/gc.py), with the default age cutoff."""
+        while not done.is_set():
+            await asyncio.sleep(every)
+            store = state.store
+            if store is None or state.mode != "serving":
+                continue
+            try:
+                await loop.run_in_executor(state.executor, store.gc)
+            except StrataError:
+                continue  # reported by the next `strata stats`; tried again later
+
     tasks = [asyncio.ensure_future(watch_fence())]
+    gc_every = float(os.environ.get("STRATA_GC_INTERVAL", GC_INTERVAL))
+    if gc_every > 0:
+        tasks.append(asyncio.ensure_future(collect_garbage(gc_every)))
     if idle_exit:
         tasks.append(asyncio.ensure_future(watch_idle(idle_exit)))
     await done.wait()

@@ -257,7 +257,8 @@ def _entry(v: Any) -> Entry:
 
 ERROR_CLASSES: dict[str, type[StrataError]] = {
     cls.__name__: cls for cls in (
-        errors.InvalidInput, errors.NotFound, errors.AlreadyExists, errors.Conflict,
+        errors.InvalidInput, errors.NotFound, errors.Expired, errors.AlreadyExists,
+        errors.Conflict,
         errors.Corrupt, errors.Unavailable, errors.Locked, errors.Forbidden,
         errors.Unauthenticated,
         errors.StoreFailed,
@@ -287,6 +288,7 @@ def raise_error(status: int, body: dict[str, Any]) -> None:
     cls = ERROR_CLASSES.get(name)
     if cls is None:
         cls = {400: errors.InvalidInput, 401: errors.Forbidden, 403: errors.Forbidden,
-               404: errors.NotFound, 409: errors.AlreadyExists, 413: errors.InvalidInput,
+               404: errors.NotFound, 409: errors.AlreadyExists, 410: errors.Expired,
+               413: errors.InvalidInput,
                }.get(status, errors.StrataError)
     raise cls(message)

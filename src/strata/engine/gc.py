@@ -1,0 +1,421 @@
+"""Garbage collection: expiry, mark and sweep, compaction (docs/design.md, "Garbage collection").
+
+One pass (`collect`):
+
+1. **Expire.** `run/*` and `rejected/*` branches whose head is older than
+   their volume's `expire_runs` (default one day) are deleted. A leased
+   branch is left alone.
+2. **Roots.** Every branch head; for branches (not tags) the history the
+   volume's policy keeps (`keep_last` snapshots, or those newer than
+   `keep_newer` seconds; neither set keeps all history); live pins (mounts
+   and steps, through the server); snapshots of leased branches.
+3. **Mark** everything the roots reach, reading tree and file nodes only.
+4. **Sweep**, with publishes held off for a moment (`Gate`): mark again from
+   whatever moved meanwhile (only new nodes are read), then every indexed
+   object that is unmarked, was stored before the pass began, was not
+   uploaded or found present by `missing` within `UPLOAD_PIN` seconds, and
+   was found unreachable at least `min_age` seconds ago, leaves the index.
+   Its snapshots are remembered as expired (reads say so).
+5. **Compact.** Live bytes per pack come from the index (no pack is read
+   for it). A sealed pack under half live has its live objects copied to the
+   active pack (their frames as they are); the copies take over in the index.
+   With `min_age` 0 the active pack is sealed first, so garbage written
+   seconds ago is reclaimed at once.
+6. **Delete** packs found empty by an earlier pass (deferred one pass), and
+   only once no checkpoint names them (the bucket tier keeps that rule).
+
+Nothing is deleted in the first `PIN_LIFETIME` seconds after the store was
+opened unless `min_age` is shorter: pins held through a server that died are
+not known to the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from strata.engine import pack as packfmt
+from strata.engine.errors import InvalidInput, NotFound, Unavailable
+from strata.engine.objects import FILENODE, SNAPSHOT, TREE, references
+
+if TYPE_CHECKING:
+    from strata.engine.local import LocalStore
+
+DEFAULT_MIN_AGE = 300.0       # seconds an object stays unreachable before it is deleted
+DEFAULT_EXPIRE_RUNS = 86400.0  # run/* and rejected/* branches live this long by default
+PIN_LIFETIME = 120.0           # pins must be renewed within this
+UPLOAD_PIN = 600.0             # objects uploaded or found present stay this long unpublished
+COMPACT_BELOW = 0.5            # a sealed pack under this fraction live is compacted
+POLICIES = "policies.json"     # in the store directory
+TEMP_PREFIXES = ("run/", "rejected/")
+TAG_PREFIX = "tags/"
+
+
+@dataclass
+class Policy:
+    keep_last: int | None = None      # snapshots of each branch's history kept
+    keep_newer: float | None = None   # seconds: snapshots newer than this are kept
+    expire_runs: float = DEFAULT_EXPIRE_RUNS
+
+    def keeps(self, depth: int, age: float) -> bool:
+        """Whether the snapshot `depth` steps behind a head (0: the head), `age` s old, stays."""
+        if depth == 0 or (self.keep_last is None and self.keep_newer is None):
+            return True
+        return ((self.keep_last is not None and depth < self.keep_last)
+                or (self.keep_newer is not None and age < self.keep_newer))
+
+
+class Policies:
+    """Retention policies per volume and branch, kept in the store directory.
+
+    A missing file keeps every snapshot: when in doubt, keep.
+    """
+
+    def __init__(self, store_dir: str) -> None:
+        self.path = os.path.join(store_dir, POLICIES)
+        self._lock = threading.Lock()
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                data = json.loads(f.read())
+        except FileNotFoundError:
+            return {}
+        if not isinstance(data, dict) or data.get("version") != 1:
+            raise InvalidInput(f"{self.path}: unknown policy file version")
+        return dict(data["policies"])
+
+    def get(self, volume: str, branch: str) -> Policy:
+        pols = self.load()
+        merged: dict[str, Any] = {}
+        merged.update(pols.get(volume, {}))
+        merged.update(pols.get(f"{volume}@{branch}", {}))
+        return Policy(**merged)
+
+    def set(self, volume: str, branch: str | None, **fields: Any) -> Policy:
+        for k, v in fields.items():
+            if k not in ("keep_last", "keep_newer", "expire_runs"):
+                raise InvalidInput(f"unknown policy field {k!r}")
+            if v is not None and (not isinstance(v, (int, float)) or v < (1 if k == "keep_last"
+                                                                          else 0)):
+                raise InvalidInput(f"policy {k} must be a positive number")
+        with self._lock:
+            pols = self.load()
+            key = f"{volume}@{branch}" if branch else volume
+            cur = dict(pols.get(key, {}))
+            cur.update({k: v for k, v in fields.items()})
+            pols[key] = {k: v for k, v in cur.items() if v is not None}
+            tmp = self.path + ".tmp"
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                f.write(json.dumps({"version": 1, "policies": pols}, sort_keys=True).encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, self.path)
+            fd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return self.get(volume, branch or "")
+
+
+class Gate:
+    """Publishes share it; the sweep holds it alone for a moment (readers never wait)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                if not self._shared:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True  # new publishes wait from now on
+            while self._shared:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class Pins:
+    """Snapshots held by running mounts and steps (through the server), renewed or lost."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pins: dict[str, tuple[str, float]] = {}  # id -> (snapshot, expiry)
+
+    def pin(self, sid: str, ttl: float) -> str:
+        pid = os.urandom(16).hex()
+        with self._lock:
+            self._pins[pid] = (sid, time.monotonic() + _ttl(ttl))
+        return pid
+
+    def renew(self, pid: str, ttl: float) -> None:
+        with self._lock:
+            cur = self._pins.get(pid)
+            if cur is None or cur[1] < time.monotonic():
+                self._pins.pop(pid, None)
+                raise NotFound("no such pin (expired or released)")
+            self._pins[pid] = (cur[0], time.monotonic() + _ttl(ttl))
+
+    def release(self, pid: str) -> None:
+        with self._lock:
+            self._pins.pop(pid, None)
+
+    def live(self) -> set[str]:
+        now = time.monotonic()
+        with self._lock:
+            for pid in [p for p, (_s, exp) in self._pins.items() if exp < now]:
+                del self._pins[pid]
+            return {sid for sid, _exp in self._pins.values()}
+
+
+def _ttl(ttl: float) -> float:
+    if not isinstance(ttl, (int, float)) or not 0 < ttl <= PIN_LIFETIME:
+        raise InvalidInput(f"a pin lasts more than 0 and at most {PIN_LIFETIME:g} seconds")
+    return float(ttl)
+
+
+@dataclass
+class Report:
+    dry_run: bool
+    min_age: float
+    started: float = field(default_factory=time.time)
+    seconds: float = 0.0
+    branches_expired: list[str] = field(default_factory=list)
+    snapshots_retained: int = 0
+    objects_live: int = 0
+    objects_unreachable: int = 0
+    objects_deleted: int = 0
+    snapshots_expired: int = 0
+    bytes_freed: int = 0          # of objects dropped (reclaimed once their packs go)
+    packs_compacted: list[int] = field(default_factory=list)
+    bytes_copied: int = 0
+    packs_deleted: list[int] = field(default_factory=list)
+    bytes_reclaimed: int = 0      # pack bytes given back to the disk (and the bucket)
+    live_bytes: int = 0
+    dead_bytes: int = 0
+    waiting: str | None = None    # why nothing was deleted yet
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def collect(store: LocalStore, *, min_age: float = DEFAULT_MIN_AGE,
+            dry_run: bool = False) -> dict[str, Any]:
+    """One GC pass over `store` (see the module docstring); returns its report."""
+    if min_age < 0:
+        raise InvalidInput("min age cannot be negative")
+    with store.gc_lock:
+        report = Report(dry_run=dry_run, min_age=min_age)
+        t0 = time.monotonic()
+        _pass(store, report, min_age, dry_run)
+        report.seconds = round(time.monotonic() - t0, 4)
+        out = report.as_dict()
+        if not dry_run:
+            store.index.put_meta(b"gc-last", json.dumps(out).encode())
+        return out
+
+
+def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> None:
+    blocked = store.gc_blocked()
+    if blocked is not None:
+        raise Unavailable(blocked)
+    if not dry_run and min_age == 0:
+        store._journal.seal_now()  # garbage in the active pack becomes compactable
+    store.sync_index()
+    start = store._journal.end()  # objects stored from here on are never this pass's garbage
+    now = time.time()
+
+    # 1. expire temporary branches
+    for vol in store.list_volumes():
+        for br, head in sorted(store.list_branches(vol).items()):
+            if not br.startswith(TEMP_PREFIXES):
+                continue
+            pol = store.policies.get(vol, br)
+            age = now - store.snapshot(head).time_ns / 1e9
+            if age > pol.expire_runs and store.lease_of(vol, br) is None:
+                report.branches_expired.append(f"{vol}@{br}")
+                if not dry_run:
+                    with contextlib.suppress(NotFound):
+                        store.delete_branch(vol, br)
+
+    # 2.-3. roots and mark
+    live: set[bytes] = set()
+    roots = _roots(store, now, report, skip=set(report.branches_expired) if dry_run else set())
+    _mark(store, roots, live)
+    report.snapshots_retained = len(roots)
+
+    # 4. sweep (publishes wait for the short final part)
+    young_pins = store.upload_pins()
+    grace = store.opened_for() < min(PIN_LIFETIME, min_age)
+    with store.gate.exclusive():
+        again = _roots(store, now, None, skip=set())
+        _mark(store, again - roots, live)
+        _mark_nodes(store, store.upload_pins() | young_pins, live)
+        store.sync_index()
+        candidates: dict[bytes, tuple[int, int, int, int]] = {}
+        live_bytes: dict[int, int] = {}
+        for oid, loc in store.index.iter_objects():
+            if oid in live or (loc[0], loc[1]) >= start:
+                live_bytes[loc[0]] = live_bytes.get(loc[0], 0) + loc[2]
+            else:
+                candidates[oid] = loc
+        report.objects_live = len(live)
+        report.objects_unreachable = len(candidates)
+        since = {} if dry_run else store.index.mark_dead(candidates, time.time_ns())
+        cutoff = time.time_ns() - int(min_age * 1e9)
+        doomed = [oid for oid in candidates
+                  if dry_run or since.get(oid, time.time_ns()) <= cutoff]
+        if grace and doomed:
+            report.waiting = (f"the store opened {store.opened_for():.0f} s ago: nothing is "
+                              f"deleted before one pin lifetime ({PIN_LIFETIME:g} s)")
+            doomed = []
+        report.objects_deleted = len(doomed)
+        report.bytes_freed = sum(candidates[o][2] for o in doomed)
+        expired = [o for o in doomed if candidates[o][3] == SNAPSHOT]
+        report.snapshots_expired = len(expired)
+        if not dry_run and doomed:
+            store.forget(doomed, expired)
+    # Unreachable but not old enough yet: still indexed, so their packs stay whole.
+    waiting: dict[int, int] = {}
+    for oid in set(candidates) - set(doomed):
+        n = candidates[oid][0]
+        waiting[n] = waiting.get(n, 0) + candidates[oid][2]
+    report.live_bytes = sum(live_bytes.values())
+    report.dead_bytes = sum(loc[2] for loc in candidates.values())
+
+    # 5.-6. compaction and deferred deletion
+    active = store._journal.end()[0]
+    empty_before = _load_empty(store)
+    empty_now: list[int] = []
+    compact: list[int] = []
+    for n in store._packs.numbers():
+        if n >= active or waiting.get(n):
+            continue
+        size = store._packs.size(n)
+        live_b = live_bytes.get(n, 0)
+        if live_b == 0:
+            if n in empty_before and not dry_run and store.pack_deletable(n):
+                store.remove_pack(n)
+                report.packs_deleted.append(n)
+                report.bytes_reclaimed += size
+            else:
+                empty_now.append(n)  # deleted by the next pass
+        elif live_b < COMPACT_BELOW * size:
+            compact.append(n)
+            report.packs_compacted.append(n)
+            report.bytes_copied += live_b
+    if not dry_run:
+        if compact:
+            _compact(store, set(compact))
+            empty_now += compact
+        store.index.put_meta(b"gc-empty", json.dumps(empty_now).encode())
+
+
+def _load_empty(store: LocalStore) -> set[int]:
+    raw = store.index.get_meta(b"gc-empty")
+    return set(json.loads(raw)) if raw else set()
+
+
+def _roots(store: LocalStore, now: float, report: Report | None, skip: set[str]) -> set[bytes]:
+    """Snapshot ids every retention rule and pin keeps."""
+    out: set[bytes] = set()
+    for vol in store.list_volumes():
+        for br, head in store.list_branches(vol).items():
+            if f"{vol}@{br}" in skip:
+                continue
+            out.add(bytes.fromhex(head))
+            if br.startswith(TAG_PREFIX):
+                continue  # a tag keeps its snapshot, not that snapshot's history
+            pol = store.policies.get(vol, br)
+            cur = store.snapshot(head).parent
+            depth = 1
+            while cur is not None:
+                try:
+                    info = store.snapshot(cur)
+                except NotFound:
+                    break  # expired by an earlier pass
+                if not pol.keeps(depth, now - info.time_ns / 1e9):
+                    break
+                out.add(bytes.fromhex(cur))
+                cur, depth = info.parent, depth + 1
+    out.update(bytes.fromhex(s) for s in store.pins.live())
+    return out
+
+
+def _mark(store: LocalStore, snapshots: set[bytes], live: set[bytes]) -> None:
+    todo = [(SNAPSHOT, s) for s in snapshots if s not in live]
+    _walk(store, todo, live)
+
+
+def _mark_nodes(store: LocalStore, oids: set[bytes], live: set[bytes]) -> None:
+    """Objects pinned by uploads: keep them and what they refer to."""
+    todo = []
+    for oid in oids - live:
+        kind = store.object_kind(oid)
+        if kind is not None:
+            todo.append((kind, oid))
+    _walk(store, todo, live)
+
+
+def _walk(store: LocalStore, todo: list[tuple[int, bytes]], live: set[bytes]) -> None:
+    while todo:
+        kind, oid = todo.pop()
+        if oid in live:
+            continue
+        live.add(oid)
+        if kind in (TREE, SNAPSHOT, FILENODE):  # blocks refer to nothing
+            try:
+                raw = store.get_object(oid)
+            except NotFound:
+                continue  # already gone (a hole fsck reports); nothing to follow
+            todo.extend((k, o) for k, o in references(kind, raw) if o not in live)
+
+
+def _compact(store: LocalStore, numbers: set[int]) -> None:
+    """Copy the live objects of packs `numbers` forward; the copies take over in the index.
+
+    Frames are copied as they are (their checksums do not cover the pack's marker).
+    The old packs stay until a later pass finds them empty.
+    """
+    batch: list[tuple[bytes, int, bytes]] = []
+    for oid, loc in store.index.iter_objects():
+        if loc[0] not in numbers:
+            continue
+        frame = store._packs.pread(loc[0], loc[2], loc[1])
+        if len(frame) != loc[2]:
+            raise NotFound(f"pack {packfmt.pack_name(loc[0])} is shorter than its index says")
+        batch.append((oid, loc[3], frame[packfmt.SYNC_SIZE:]))
+        if len(batch) >= 256:
+            store._journal.wait_durable(store._journal.copy_objects(batch))
+            batch = []
+    if batch:
+        store._journal.wait_durable(store._journal.copy_objects(batch))
+    store.sync_index()

@@ -1,0 +1,311 @@
+"""Garbage collection: what retention lets go is freed; what it keeps reads back whole.
+
+Real stores on disk. The state machine at the end drives publishes, forks,
+tags, policy changes, GC passes and reopenings against a model, and after
+every step reads back every snapshot that a head, a tag or a policy keeps.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from strata.engine.errors import Expired, InvalidInput, StrataError
+from strata.engine.interface import ChangeSet
+from strata.engine.local import LocalStore, StoreConfig, init_store
+from strata.engine.objects import BLOCK, FILENODE, K_FILE, Entry, FileNode
+from strata.engine.txn import Transaction
+
+MiB = 1 << 20
+
+
+def _packs_bytes(store: Path) -> int:
+    return sum(p.stat().st_size for p in (store / "packs").glob("*.pack"))
+
+
+def _write(s: LocalStore, vol: str, files: dict[str, bytes], branch: str = "live") -> str:
+    t = Transaction(s, vol, branch)
+    for path, data in files.items():
+        if data is None:
+            t.remove(path)
+        else:
+            t.write(path, data)
+    return t.commit()
+
+
+def test_a_deleted_file_gives_its_space_back_at_once(tmp_path: Path) -> None:
+    """Delete a big file, let its snapshots go, `gc --min-age 0`: the space comes back.
+
+    Even though the bytes were written seconds ago and sat in the pack being written.
+    """
+    init_store(str(tmp_path), pack_size_limit=4 * MiB)
+    big = os.urandom(20 * MiB)
+    with LocalStore(str(tmp_path)) as s:
+        s.create_volume("v")
+        _write(s, "v", {"small": b"stays", "big": big})
+        old = s.head("v", "live")
+        t = Transaction(s, "v")
+        t.remove("big")
+        t.commit()
+        assert _packs_bytes(tmp_path) > 20 * MiB
+        dry = s.gc(min_age=0, dry_run=True)
+        assert dry["bytes_freed"] == 0  # the default policy keeps all history
+        s.policies.set("v", None, keep_last=1)
+        first = s.gc(min_age=0)
+        assert first["snapshots_expired"] >= 1 and first["bytes_freed"] > 20 * MiB
+        second = s.gc(min_age=0)  # packs found empty are deleted one pass later
+        assert second["packs_deleted"] and second["bytes_reclaimed"] > 20 * MiB
+        assert _packs_bytes(tmp_path) < 2 * MiB
+        assert Transaction(s, "v").read("small") == b"stays"
+        with pytest.raises(Expired):
+            s.snapshot(old)
+        assert s.fsck()["ok"]
+        s.rebuild_index()  # the packs left still hold every ref (the state record)
+        assert s.list_branches("v") == {"live": s.head("v", "live")}
+        assert s.fsck()["ok"]
+        with pytest.raises(Expired):
+            s.snapshot(old)
+    with LocalStore(str(tmp_path)) as s:
+        assert Transaction(s, "v").read("small") == b"stays"
+        assert s.fsck()["ok"]
+
+
+def test_nothing_goes_before_the_age_cutoff(tmp_path: Path) -> None:
+    init_store(str(tmp_path))
+    with LocalStore(str(tmp_path)) as s:
+        s.create_volume("v")
+        _write(s, "v", {"a": os.urandom(200_000)})
+        _write(s, "v", {"a": os.urandom(200_000)})
+        s.policies.set("v", None, keep_last=1)
+        r = s.gc(min_age=3600)
+        assert r["objects_unreachable"] > 0 and r["objects_deleted"] == 0
+        assert len(s.log(s.head("v", "live"))) == 3  # still readable (and the empty one)
+        r = s.gc(min_age=0)  # unreachable since the last pass: now it goes
+        assert r["objects_deleted"] > 0 and len(s.log(s.head("v", "live"))) == 1
+
+
+def test_tags_forks_and_other_branches_keep_what_they_reach(tmp_path: Path) -> None:
+    init_store(str(tmp_path))
+    with LocalStore(str(tmp_path)) as s:
+        s.create_volume("v")
+        first = _write(s, "v", {"a": b"one" * 5000, "b": b"shared" * 5000})
+        s.fork("v", "tags/release", at=first)
+        s.fork("v", "side", at=first)
+        _write(s, "v", {"a": b"two" * 5000})
+        mid = s.head("v", "live")
+        _write(s, "v", {"a": b"three" * 5000})
+        s.policies.set("v", None, keep_last=1)
+        s.gc(min_age=0)
+        s.gc(min_age=0)
+        assert Transaction(s, "v", "tags/release").read("a") == b"one" * 5000
+        assert Transaction(s, "v", "side").read("b") == b"shared" * 5000
+        assert Transaction(s, "v").read("a") == b"three" * 5000
+        with pytest.raises(Expired):
+            s.snapshot(mid)
+        with pytest.raises(InvalidInput, match="tag"):
+            _write(s, "v", {"a": b"moved"}, branch="tags/release")
+        assert s.fsck()["ok"]
+
+
+def test_run_and_rejected_branches_expire(tmp_path: Path) -> None:
+    init_store(str(tmp_path))
+    with LocalStore(str(tmp_path)) as s:
+        s.create_volume("v")
+        head = _write(s, "v", {"a": b"x"})
+        s.fork("v", "run/abc", at=head)
+        _write(s, "v", {"r": os.urandom(100_000)}, branch="run/abc")
+        s.fork("v", "rejected/abc", at=head)
+        assert s.gc(min_age=0)["branches_expired"] == []  # younger than a day
+        s.policies.set("v", None, expire_runs=0)
+        r = s.gc(min_age=0)
+        assert sorted(r["branches_expired"]) == ["v@rejected/abc", "v@run/abc"]
+        assert set(s.list_branches("v")) == {"live"}
+        assert r["objects_deleted"] > 0
+
+
+def test_objects_uploaded_ahead_of_their_publish_are_pinned(tmp_path: Path) -> None:
+    init_store(str(tmp_path))
+    with LocalStore(str(tmp_path)) as s:
+        s.create_volume("v")
+        data = os.urandom(70_000)
+        block = s.put_objects([(BLOCK, data)])[0]
+        node = FileNode(size=len(data), block_size=1 << 20, blocks=(block,)).encode()
+        ref = s.put_objects([(FILENODE, node)])[0]
+        r = s.gc(min_age=0)
+        assert r["objects_deleted"] == 0
+        base = s.head("v", "live")
+        s.publish([ChangeSet("v", "live", base,
+                             {"f": Entry(kind=K_FILE, size=len(data), ref=ref)})])
+        assert Transaction(s, "v").read("f") == data
+
+
+def test_gc_in_a_loop_while_publishes_race_it(tmp_path: Path) -> None:
+    """Publishes that rewrite and dedup against old content never fail or read wrong."""
+    init_store(str(tmp_path), pack_size_limit=MiB)
+    contents = [os.urandom(100_000) for _ in range(4)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    with LocalStore(str(tmp_path)) as s:
+        for v in ("a", "b"):
+            s.create_volume(v)
+            s.policies.set(v, None, keep_last=1)
+
+        def writer(vol: str, seed: int) -> None:
+            i = seed
+            try:
+                while not stop.is_set():
+                    want = {f"w{seed}-{k}": contents[(i + k) % 4] for k in range(3)}
+                    _write(s, vol, want)  # old content comes back: dedup against garbage
+                    t = Transaction(s, vol)  # the head: this writer's or another's
+                    for path in want:
+                        if t.read(path) not in contents:
+                            raise AssertionError(f"{vol}/{path} read wrong bytes")
+                    i += 1
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=writer, args=(v, k))
+                   for k, v in enumerate(["a", "b", "a", "b"])]
+        for th in threads:
+            th.start()
+        passes = 0
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline and not errors:
+            s.gc(min_age=0)
+            passes += 1
+        stop.set()
+        for th in threads:
+            th.join(30)
+        assert not errors, errors[0]
+        assert passes >= 3
+        report = s.fsck()
+        assert report["ok"], report
+
+
+# -- the state machine -------------------------------------------------------------------
+
+
+class GcMachine(RuleBasedStateMachine):
+    """Branches of one volume, their histories as the model keeps them, and GC."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="strata-gc-")
+        init_store(self.dir, pack_size_limit=MiB)
+        self.s = LocalStore(self.dir, StoreConfig(pack_size_limit=MiB))
+        self.s.create_volume("v")
+        # branch -> [(sid, files)] oldest first; what is still kept is checked
+        self.hist: dict[str, list[tuple[str, dict[str, bytes]]]] = {
+            "live": [(self.s.head("v", "live"), {})]}
+        self.tags: dict[str, tuple[str, dict[str, bytes]]] = {}
+        self.keep_last: int | None = None
+
+    def teardown(self) -> None:
+        self.s.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @initialize()
+    def start(self) -> None:
+        pass
+
+    @rule(branch=st.sampled_from(["live", "b1", "b2"]), path=st.sampled_from("abcd"),
+          size=st.sampled_from([10, 5000, 70_000]), seed=st.integers(0, 5), delete=st.booleans())
+    def publish(self, branch: str, path: str, size: int, seed: int, delete: bool) -> None:
+        if branch not in self.hist:
+            return
+        files = dict(self.hist[branch][-1][1])
+        t = Transaction(self.s, "v", branch)
+        if delete and path in files:
+            t.remove(path)
+            del files[path]
+        else:
+            data = bytes([seed]) * size  # repeats: new publishes dedup against old bytes
+            t.write(path, data)
+            files[path] = data
+        sid = t.commit()
+        if sid != self.hist[branch][-1][0]:
+            self.hist[branch].append((sid, files))
+
+    @rule(src=st.sampled_from(["live", "b1", "b2"]), new=st.sampled_from(["b1", "b2"]))
+    def fork(self, src: str, new: str) -> None:
+        if src not in self.hist or new in self.hist:
+            return
+        sid, files = self.hist[src][-1]
+        self.s.fork("v", new, at=sid)
+        self.hist[new] = [(sid, files)]
+
+    @rule(branch=st.sampled_from(["b1", "b2"]))
+    def delete_branch(self, branch: str) -> None:
+        if branch in self.hist:
+            self.s.delete_branch("v", branch)
+            del self.hist[branch]
+
+    @rule(branch=st.sampled_from(["live", "b1", "b2"]), back=st.integers(0, 3),
+          name=st.sampled_from(["t1", "t2"]))
+    def tag(self, branch: str, back: int, name: str) -> None:
+        if branch not in self.hist or name in self.tags:
+            return
+        kept = self._kept(branch)
+        sid, files = kept[max(0, len(kept) - 1 - back)]
+        self.s.fork("v", f"tags/{name}", at=sid)
+        self.tags[name] = (sid, files)
+
+    @rule(name=st.sampled_from(["t1", "t2"]))
+    def untag(self, name: str) -> None:
+        if name in self.tags:
+            self.s.delete_branch("v", f"tags/{name}")
+            del self.tags[name]
+
+    @rule(n=st.sampled_from([None, 1, 2, 3]))
+    def policy(self, n: int | None) -> None:
+        self.keep_last = n
+        self.s.policies.set("v", None, keep_last=n)
+
+    @rule(dry=st.booleans())
+    def gc(self, dry: bool) -> None:
+        self.s.gc(min_age=0, dry_run=dry)
+        if not dry:  # the model forgets what the policy let go
+            for br in self.hist:
+                self.hist[br] = self._kept(br)
+
+    @rule()
+    def reopen(self) -> None:
+        self.s.close()
+        self.s = LocalStore(self.dir, StoreConfig(pack_size_limit=MiB))
+
+    def _kept(self, branch: str) -> list[tuple[str, dict[str, bytes]]]:
+        h = self.hist[branch]
+        return h if self.keep_last is None else h[-self.keep_last:]
+
+    @invariant()
+    def kept_snapshots_read_back(self) -> None:
+        want = [x for br in self.hist for x in self._kept(br)] + list(self.tags.values())
+        for sid, files in want:
+            t = Transaction(self.s, "v", base=sid)
+            got = {name: t.read(name) for name, _e in t.listdir("")}
+            assert got == files, sid
+
+    @invariant()
+    def heads_match(self) -> None:
+        heads = self.s.list_branches("v")
+        assert {b: h for b, h in heads.items() if not b.startswith("tags/")} == {
+            b: h[-1][0] for b, h in self.hist.items()}
+
+
+def test_gc_state_machine() -> None:
+    n = int(os.environ.get("STRATA_STATEFUL_EXAMPLES", "25"))
+    machine = settings(max_examples=n, stateful_step_count=30, deadline=None,
+                       suppress_health_check=list(HealthCheck))(GcMachine)
+    try:
+        machine.TestCase().runTest()
+    except StrataError:
+        raise

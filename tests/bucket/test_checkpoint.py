@@ -27,11 +27,11 @@ def test_a_checkpoint_round_trips_and_refuses_damage() -> None:
                     leases=[["v", "live", 3, 10**18, "host", b"k" * 16]],
                     packs={1: ("packs/00000001-aa.pack", 900), 2: ("packs/00000002-bb.pack", 77)},
                     log_from=12, block_size=65536,
-                    run="runs/x", fences=fences, entries=count)
+                    run="runs/x", fences=fences, entries=count, expired=[b"x" * 32])
     data = cp.encode()
     assert Checkpoint.decode("checkpoints/x", data) == cp
     assert len(fences) == -(-3000 // BLOCK_ENTRIES)
-    for bad in (data[:-1], b"STRC\x02" + data[5:], data[:40] + bytes([data[40] ^ 1]) + data[41:]):
+    for bad in (data[:-1], b"STRC\x09" + data[5:], data[:40] + bytes([data[40] ^ 1]) + data[41:]):
         with pytest.raises(Corrupt, match="checkpoints/x"):
             Checkpoint.decode("checkpoints/x", bad)
 

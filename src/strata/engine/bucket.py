@@ -175,14 +175,15 @@ def frame_record(magic: bytes, version: int, body: dict[str, Any]) -> bytes:
     return magic + bytes([version]) + blake3.blake3(raw).digest() + raw
 
 
-def open_record(name: str, data: bytes, magic: bytes, version: int, what: str
-                ) -> dict[str, Any]:
+def open_record(name: str, data: bytes, magic: bytes, version: int | tuple[int, ...],
+                what: str) -> dict[str, Any]:
     """The body of a framed record, checked; `Corrupt` naming the object if it is not."""
     if len(data) < 37 or data[:4] != magic:
         raise Corrupt(name, 0, f"not a strata {what}")
-    if data[4] != version:
+    versions = version if isinstance(version, tuple) else (version,)
+    if data[4] not in versions:
         raise Corrupt(name, 0, f"{what} version {data[4]} is not one this strata reads "
-                               f"({version}); upgrade strata")
+                               f"({', '.join(map(str, versions))}); upgrade strata")
     raw = data[37:]
     if blake3.blake3(raw).digest() != data[5:37]:
         raise Corrupt(name, 0, f"{what} checksum does not match")

@@ -31,7 +31,8 @@ from strata.engine.bucket import frame_record, open_record
 from strata.engine.errors import Corrupt
 
 CHECKPOINT_MAGIC = b"STRC"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2           # 2: `expired`, the snapshots garbage collection removed
+CHECKPOINT_VERSIONS = (1, 2)     # what this strata reads
 RUN_MAGIC = b"STRI"
 RUN_VERSION = 1
 RUN_HEAD = 5
@@ -57,6 +58,7 @@ class Checkpoint:
     run: str = ""                                # bucket name of the index run
     fences: list[bytes] = field(default_factory=list)
     entries: int = 0
+    expired: list[bytes] = field(default_factory=list)  # snapshot ids GC removed
 
     def encode(self) -> bytes:
         return frame_record(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, {
@@ -66,15 +68,17 @@ class Checkpoint:
             "leases": self.leases,
             "packs": [[n, name, size] for n, (name, size) in sorted(self.packs.items())],
             "log_from": self.log_from, "block_size": self.block_size,
-            "run": self.run, "fences": b"".join(self.fences), "entries": self.entries})
+            "run": self.run, "fences": b"".join(self.fences), "entries": self.entries,
+            "expired": b"".join(self.expired)})
 
     @classmethod
     def decode(cls, name: str, data: bytes) -> Checkpoint:
-        b = open_record(name, data, CHECKPOINT_MAGIC, CHECKPOINT_VERSION, "checkpoint")
+        b = open_record(name, data, CHECKPOINT_MAGIC, CHECKPOINT_VERSIONS, "checkpoint")
         try:
             fences = bytes(b["fences"])
-            if len(fences) % 32:
-                raise ValueError("fences are not 32-byte ids")
+            expired = bytes(b.get("expired", b""))
+            if len(fences) % 32 or len(expired) % 32:
+                raise ValueError("fences or expired are not 32-byte ids")
             return cls(
                 store_id=bytes(b["store_id"]), epoch=int(b["epoch"]),
                 applied=(int(b["applied"][0]), int(b["applied"][1])),
@@ -84,7 +88,8 @@ class Checkpoint:
                 packs={int(n): (str(p), int(z)) for n, p, z in b["packs"]},
                 log_from=int(b["log_from"]), block_size=int(b["block_size"]),
                 run=str(b["run"]), entries=int(b["entries"]),
-                fences=[fences[i:i + 32] for i in range(0, len(fences), 32)])
+                fences=[fences[i:i + 32] for i in range(0, len(fences), 32)],
+                expired=[expired[i:i + 32] for i in range(0, len(expired), 32)])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise Corrupt(name, 0, f"checkpoint fields are malformed: {exc}") from None
 

@@ -135,6 +135,7 @@ class Index:
                 "refs": {tuple(bytes(k).decode().split("\0", 1)): bytes(x).hex()
                          for k, x in txn.cursor(db=self.refs)},
                 "leases": [[bytes(k), bytes(x)] for k, x in txn.cursor(db=self.leases)],
+                "expired": [bytes(k) for k, _x in txn.cursor(db=self.expired)],
             }
         return got, tables
 

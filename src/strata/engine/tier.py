@@ -45,6 +45,7 @@ import contextlib
 import json
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -146,6 +147,8 @@ class TieredPacks(PackStore):
         # Bucket objects of packs garbage collection removed: (name, checkpoints written
         # before the removal). Deleted once a later checkpoint is in the log.
         self._doomed: list[tuple[str, float]] = []
+        self._cp_taken = 0  # checkpoints that took their view of the packs
+        self._cp_done = 0   # the newest of those views that is in the log
         # Packs the last checkpoint this owner saved names as uploaded: only these may
         # be evicted, since a reopened store learns where packs are from that file.
         self._checkpointed: set[int] = set(checkpoint.packs) if checkpoint else set()
@@ -271,18 +274,35 @@ class TieredPacks(PackStore):
         # A fresh name per attempt: an attempt cut short by an outage can leave an
         # object behind, and a create-only name cannot be written twice.
         name = pack_object_name(number, self.log.epoch or 0, os.urandom(4).hex())
-        size = self.local.size(number)
-        with self.local.mapped(number) as data:
-            body = bytes(data)
+        try:
+            size = self.local.size(number)
+            with self.local.mapped(number) as data:
+                body = bytes(data)
+        except FileNotFoundError:
+            return  # garbage collection removed it meanwhile: nothing to keep
         self.bucket.put_new(name, body)
         if self.bucket.size(name) != size:
             raise BucketUnavailable(f"bucket copy of {name} has the wrong size; "
                                     "uploading it again")
         with self._lock:
+            if number not in self._local:  # removed while it was uploading
+                self._doomed.append((name, self._cp_taken))
+                return
             self.remote[number] = (name, size)
             self._changed = True
         self.stats["packs_uploaded"] += 1
         self.stats["bytes_uploaded"] += size
+
+    def _upload_queued(self) -> None:
+        while True:
+            with self._lock:
+                if not self._uploads:
+                    return
+                n = self._uploads[0]
+            self._upload(n)
+            with self._lock:  # garbage collection may have taken it off the queue
+                if self._uploads and self._uploads[0] == n:
+                    self._uploads.popleft()
 
     def checkpoint(self) -> str:
         """Write a checkpoint of the index as it is now; returns its bucket name."""
@@ -297,6 +317,8 @@ class TieredPacks(PackStore):
             remote = dict(self.remote)
             unsent = [seq for n, seq in self._first_seq.items() if n not in remote]
             self._changed = False
+            self._cp_taken += 1  # this checkpoint's view of the packs, numbered
+            taken = self._cp_taken
         log_from = min(unsent) if unsent else (self.log.next or 0)
         stamp = f"{self.log.epoch}-{self.log.next}-{os.urandom(4).hex()}"
         run_name = f"runs/{stamp}"
@@ -305,7 +327,7 @@ class TieredPacks(PackStore):
                         applied=tables["applied"], volumes=tables["volumes"],
                         refs=tables["refs"], leases=tables["leases"], packs=remote,
                         run=run_name, fences=fences, entries=entries, log_from=log_from,
-                        block_size=self._block_size)
+                        block_size=self._block_size, expired=tables["expired"])
         name = f"checkpoints/{stamp}"
         data = cp.encode()
         self.bucket.put_new(name, data)
@@ -318,6 +340,8 @@ class TieredPacks(PackStore):
             except BaseException as exc:
                 self.failed = exc
                 raise
+        with self._lock:
+            self._cp_done = max(self._cp_done, taken)
         self.log.write_hint()
         self._hydrated = run_name  # the local index holds all of it
         self._save_state(data)
@@ -381,9 +405,7 @@ class TieredPacks(PackStore):
         if self._pending and (now - self._shipped_at >= SHIP_INTERVAL
                               or self._pending_bytes >= SHIP_BYTES):
             self.ship()
-        while self._uploads:
-            self._upload(self._uploads[0])
-            self._uploads.popleft()
+        self._upload_queued()
         if self._run is not None:
             # A part at a time, so shipping is not held up; checkpoints wait for it.
             for _ in range(HYDRATE_BLOCKS):
@@ -441,7 +463,8 @@ class TieredPacks(PackStore):
                 if self._reading[n] or n not in self._local:
                     continue  # in use: a later pass takes it
                 self._local.discard(n)  # new reads go to the bucket from now on
-            self.local.remove(n)
+            with contextlib.suppress(FileNotFoundError):  # or collected meanwhile
+                self.local.remove(n)
             total -= sizes.get(n, 0)
             self.stats["evicted"] += 1
             self.stats["evicted_bytes"] += sizes.get(n, 0)
@@ -476,9 +499,7 @@ class TieredPacks(PackStore):
         """Ship, upload and checkpoint everything now (close, tests, `strata stats`)."""
         with self._work_lock:
             self.ship()
-            while self._uploads:
-                self._upload(self._uploads[0])
-                self._uploads.popleft()
+            self._upload_queued()
             if self._changed:
                 self.checkpoint()
 
@@ -654,12 +675,14 @@ class TieredPacks(PackStore):
             here = number in self._local
             self._local.discard(number)
             if number in self.remote:
-                self._doomed.append((self.remote.pop(number)[0], self.stats["checkpoints"]))
+                # Deletable once a checkpoint that took its view after this is in the log.
+                self._doomed.append((self.remote.pop(number)[0], self._cp_taken))
                 self._changed = True
             with contextlib.suppress(ValueError):
                 self._uploads.remove(number)
         if here:
-            self.local.remove(number)
+            with contextlib.suppress(FileNotFoundError):  # or evicted meanwhile
+                self.local.remove(number)
         self._record((number, 0, None))
 
     def index_complete(self) -> bool:
@@ -671,7 +694,7 @@ class TieredPacks(PackStore):
 
     def _delete_doomed(self) -> None:
         with self._lock:
-            done = self.stats["checkpoints"]
+            done = self._cp_done
             ready = [name for name, at in self._doomed if at < done]
             self._doomed = [(n, at) for n, at in self._doomed if at >= done]
         for name in ready:
@@ -907,6 +930,8 @@ def restore(url: str, store_dir: str, *, sync: str = "local",
         index = Index(os.path.join(store_dir, "index"))
         try:
             index.load_tables(cp.applied, cp.volumes, cp.refs, cp.leases)
+            stamp = struct.pack("<Q", time.time_ns())
+            index.note_expired((sid, stamp) for sid in cp.expired)
         finally:
             index.close()
         _write_file(os.path.join(store_dir, TIER_CHECKPOINT), cp.encode())

@@ -403,3 +403,36 @@ def test_import_of_a_changed_directory_publishes_only_the_changes(cli: Cli,
     p = cli.run("import", "v", str(src), "--base", second, rc=3)
     assert "a/f4" in p.stderr.splitlines()[1:]
     cli.run("import", "v", str(tmp_path / "no-such-dir"), rc=4)
+
+
+# -- lifecycle: policies, tags, garbage collection -----------------------------------
+
+
+def test_policy_tag_and_gc(cli: Cli, tmp_path: Path) -> None:
+    cli.run("volume", "create", "v")
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(3_000_000))
+    first = cli.out("put", "v", "big.bin", "--from", str(src))
+    assert cli.out("tag", f"v#{first[:12]}", "first") == first
+    src.write_bytes(os.urandom(3_000_000))
+    middle = cli.out("put", "v", "big.bin", "--from", str(src))
+    src.write_bytes(os.urandom(3_000_000))
+    cli.out("put", "v", "big.bin", "--from", str(src))
+    assert "all history" in cli.out("policy", "show", "v")
+    assert cli.json("policy", "set", "v", "--keep-last", "1")["keep_last"] == 1
+    assert "the last 1 snapshot(s)" in cli.out("policy", "show", "v")
+    dry = cli.json("gc", "--dry-run", "--min-age", "0")
+    assert dry["dry_run"] and dry["bytes_freed"] >= 3_000_000
+    cli.json("gc", "--min-age", "0")
+    second = cli.json("gc", "--min-age", "0")  # empty packs go one pass later
+    assert second["dry_run"] is False
+    p = cli.run("cat", f"v#{middle[:12]}", "big.bin", rc=4)
+    assert "expired" in p.stderr
+    kept = subprocess.run([*STRATA, "--store", str(cli.store), "cat", "v@tags/first",
+                           "big.bin"], capture_output=True, check=True).stdout
+    assert len(kept) == 3_000_000  # the tag kept it
+    p = cli.run("put", "v@tags/first", "x", input=b"no", rc=2)
+    assert "tag" in p.stderr
+    stats = cli.json("stats")
+    assert stats["gc"]["snapshots_expired"] == 0  # the last pass found nothing more
+    assert cli.json("fsck")["ok"]

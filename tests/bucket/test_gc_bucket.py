@@ -32,7 +32,7 @@ def test_collected_packs_leave_the_bucket_after_a_checkpoint(bucket_url: str,
     init_store(str(store), bucket=bucket_url, pack_size_limit=MiB)
     with LocalStore(str(store)) as s:
         s.create_volume("v")
-        for i in range(12):
+        for _ in range(12):
             t = Transaction(s, "v")
             t.write("big", os.urandom(600_000))
             t.write("keep", b"kept")

@@ -196,6 +196,21 @@ class Index:
                 txn.put(k, v)
                 txn.delete(k, db=self.objects)  # its bytes may linger in a pack: still gone
 
+    def expired_with_prefix(self, prefix: str, limit: int = 2) -> list[str]:
+        """Expired snapshot ids starting with the hex `prefix` (at most `limit`)."""
+        start = bytes.fromhex(prefix[: len(prefix) // 2 * 2])
+        out: list[str] = []
+        with self.env.begin(db=self.expired) as txn:
+            cur = txn.cursor()
+            if cur.set_range(start):
+                for k in cur.iternext(values=False):
+                    h = bytes(k).hex()
+                    if not h.startswith(prefix[: len(start) * 2]) or len(out) >= limit:
+                        break
+                    if h.startswith(prefix):
+                        out.append(h)
+        return out
+
     def is_expired(self, sid: bytes) -> bool:
         with self.env.begin(db=self.expired) as txn:
             return txn.get(sid) is not None

@@ -466,6 +466,10 @@ class LocalStore(Store):
     def find_snapshot(self, prefix: str) -> str:
         matches = self.snapshots_with_prefix(prefix, limit=2)
         if not matches:
+            gone = self.index.expired_with_prefix(check_hex_id(prefix, min_len=8))
+            if len(gone) == 1:
+                raise Expired(f"snapshot {gone[0]} expired (retention policy; garbage "
+                              "collection removed it)")
             raise NotFound(f"no snapshot matches {prefix}")
         if len(matches) > 1:
             raise InvalidInput(f"snapshot prefix {prefix} is ambiguous")

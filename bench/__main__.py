@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from bench import bucket, engine, mount, server, steps, ui
+from bench import bucket, engine, gc, mount, server, steps, ui
 from bench.report import print_table
 
 
@@ -18,9 +18,9 @@ def main() -> None:
                     help="directory on the local disk to run in")
     ap.add_argument("--out", default="bench/results/engine.json")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
-    ap.add_argument("--only", default="engine,server,bucket,mount,steps,ui",
-                    help="comma-separated groups to run (engine, server, bucket, mount, steps, "
-                         "ui)")
+    ap.add_argument("--only", default="engine,server,bucket,gc,mount,steps,ui",
+                    help="comma-separated groups to run (engine, server, bucket, gc, mount, "
+                         "steps, ui)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -30,6 +30,8 @@ def main() -> None:
         rows += server.run(args.dir, quick=args.quick)
     if "bucket" in groups:
         rows += bucket.run(args.dir, quick=args.quick)
+    if "gc" in groups:
+        rows += gc.run(args.dir, quick=args.quick)
     if "ui" in groups:
         rows += ui.run(args.dir, quick=args.quick)
     if rows:

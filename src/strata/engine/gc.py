@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 DEFAULT_MIN_AGE = 300.0       # seconds an object stays unreachable before it is deleted
 DEFAULT_EXPIRE_RUNS = 86400.0  # run/* and rejected/* branches live this long by default
 PIN_LIFETIME = 120.0           # pins must be renewed within this
+MAX_PINS = 100_000
 UPLOAD_PIN = 600.0             # objects uploaded or found present stay this long unpublished
 COMPACT_BELOW = 0.5            # a sealed pack under this fraction live is compacted
 POLICIES = "policies.json"     # in the store directory
@@ -173,6 +174,10 @@ class Pins:
     def pin(self, sid: str, ttl: float) -> str:
         pid = os.urandom(16).hex()
         with self._lock:
+            if len(self._pins) >= MAX_PINS:
+                self.live_locked()
+                if len(self._pins) >= MAX_PINS:
+                    raise Unavailable(f"{MAX_PINS} pins are held: release some first")
             self._pins[pid] = (sid, time.monotonic() + _ttl(ttl))
         return pid
 
@@ -189,11 +194,14 @@ class Pins:
             self._pins.pop(pid, None)
 
     def live(self) -> set[str]:
-        now = time.monotonic()
         with self._lock:
-            for pid in [p for p, (_s, exp) in self._pins.items() if exp < now]:
-                del self._pins[pid]
-            return {sid for sid, _exp in self._pins.values()}
+            return self.live_locked()
+
+    def live_locked(self) -> set[str]:
+        now = time.monotonic()
+        for pid in [p for p, (_s, exp) in self._pins.items() if exp < now]:
+            del self._pins[pid]
+        return {sid for sid, _exp in self._pins.values()}
 
 
 def _ttl(ttl: float) -> float:

@@ -87,6 +87,19 @@ class Store(ABC):
         For a while, or until a publish from it lands. A no-op by default.
         """
 
+    def pin(self, volume: str, sids: Sequence[str], ttl: float) -> list[str]:
+        """Keep snapshots of `volume` from garbage collection; one pin id per snapshot.
+
+        Until released, or until `ttl` seconds pass without a renewal.
+        """
+        raise NotImplementedError
+
+    def renew_pins(self, volume: str, pins: Sequence[str], ttl: float) -> None:
+        raise NotImplementedError
+
+    def release_pins(self, volume: str, pins: Sequence[str]) -> None:
+        raise NotImplementedError
+
     def held_head(self, volume: str, branch: str) -> str:
         """The branch's head, held (`hold`) in the same step: no collection between."""
         sid = self.head(volume, branch)

@@ -238,6 +238,28 @@ class LocalStore(Store):
                 else:
                     self._held[key] = (count - 1, t)
 
+    def pin(self, volume: str, sids: Sequence[str], ttl: float) -> list[str]:
+        check_volume(volume)
+        if not isinstance(sids, list | tuple) or not 0 < len(sids) <= 64:
+            raise InvalidInput("pin 1 to 64 snapshots at a time")
+        with self.gate.shared():  # not between a sweep's roots and its deletions
+            for sid in sids:
+                oid = bytes.fromhex(check_hex_id(sid))
+                if self.object_kind(oid) != SNAPSHOT:
+                    if self.index.is_expired(oid):
+                        raise Expired(f"snapshot {sid} expired (retention policy; garbage "
+                                      "collection removed it)")
+                    raise NotFound(f"no snapshot {sid}")
+            return [self.pins.pin(sid, ttl) for sid in sids]
+
+    def renew_pins(self, volume: str, pins: Sequence[str], ttl: float) -> None:
+        for pid in pins:
+            self.pins.renew(pid, ttl)
+
+    def release_pins(self, volume: str, pins: Sequence[str]) -> None:
+        for pid in pins:
+            self.pins.release(pid)
+
     def held_head(self, volume: str, branch: str) -> str:
         with self.gate.shared():  # not between a sweep's roots and its deletions
             sid = self.head(volume, branch)

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata.engine.errors import Conflict, StrataError, Unavailable
+from strata.engine.errors import Conflict, Expired, StrataError, Unavailable
 from strata.engine.interface import ChangeSet, Store
 from strata.mount.session import (
     MountState,
@@ -35,6 +35,7 @@ from strata.run.sandbox import build_command, run_command
 from strata.run.spec import VolumeSpec
 
 LEASE_TTL = 15.0
+PIN_TTL = 60.0  # the step's base snapshots, renewed with the leases
 CONFLICT_EXIT = 3
 
 
@@ -61,6 +62,7 @@ class _Leases:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.held: dict[str, tuple[str, str, str]] = {}  # name -> (volume, branch, lease id)
+        self.pins: dict[str, list[str]] = {}  # volume -> pin ids (garbage collection)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost: list[str] = []
@@ -80,8 +82,18 @@ class _Leases:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
+    def pin(self, volume: str, sid: str) -> None:
+        """Keep the step's base snapshot from garbage collection while it runs."""
+        self.pins.setdefault(volume, []).extend(self.store.pin(volume, [sid], PIN_TTL))
+
+    def unpin(self) -> None:
+        for volume, pins in self.pins.items():
+            with contextlib.suppress(StrataError):
+                self.store.release_pins(volume, pins)
+        self.pins.clear()
+
     def start(self) -> None:
-        if self.held:
+        if self.held or self.pins:
             self._thread = threading.Thread(target=self._renew, daemon=True)
             self._thread.start()
 
@@ -92,6 +104,9 @@ class _Leases:
                     self.store.renew_lease(volume, branch, lease, LEASE_TTL)
                 except StrataError:
                     self.lost.append(name)
+            for volume, pins in list(self.pins.items()):
+                with contextlib.suppress(StrataError):  # a lost pin: the age cutoff remains
+                    self.store.renew_pins(volume, pins, PIN_TTL)
 
     def tokens(self) -> dict[str, str]:
         return {name: f for name, (_v, _b, f) in self.held.items()}
@@ -104,6 +119,23 @@ class _Leases:
             with contextlib.suppress(StrataError):
                 self.store.release_lease(volume, branch, lease)
         self.held.clear()
+        self.unpin()
+
+
+def _pinned_heads(store: Store, specs: list[VolumeSpec], leases: _Leases) -> list[str]:
+    """The heads at one instant, each pinned.
+
+    A head that moved and was collected in between is read again.
+    """
+    for _ in range(5):
+        heads = store.heads([(spec.volume, spec.branch) for spec in specs])
+        try:
+            for spec, head in zip(specs, heads, strict=True):
+                leases.pin(spec.volume, head)
+            return heads
+        except Expired:
+            leases.unpin()
+    raise Unavailable("the branches keep moving while garbage collection runs; retry")
 
 
 def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox: str = "bwrap",
@@ -130,7 +162,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
                                lease_wait)
         # One instant for every volume: a multi-volume publish is seen whole or not at
         # all (heads read one by one could fall between its branches).
-        pinned = store.heads([(spec.volume, spec.branch) for spec in specs])
+        pinned = _pinned_heads(store, specs, leases)
         vols = []
         for spec, head in zip(specs, pinned, strict=True):
             branch = spec.branch

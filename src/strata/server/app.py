@@ -652,6 +652,39 @@ async def lease(request: web.Request) -> web.Response:
                               "holder": got.holder, "lease": got.id})
 
 
+async def pins(request: web.Request) -> web.Response:
+    """Pins on snapshots (garbage collection keeps them): pin, renew, release."""
+    state = request.app[STATE]
+    volume = check_volume(request.match_info["volume"])
+    action = request.match_info["action"]
+    scope = _scope(request)
+    scope.check_volume(volume)  # permission before the body is read
+    body = await _json(request)
+    store = state.need_store()
+    ttl = _field(body, "ttl", (int, float), optional=True)
+    if action == "pin":
+        sids = _field(body, "snapshots", list)
+        if not 0 < len(sids) <= 64 or not all(isinstance(x, str) for x in sids):
+            raise InvalidInput("'snapshots' must list 1 to 64 snapshot ids")
+        if not scope.is_owner:  # a scoped token pins only what its volume reaches
+            oids = [bytes.fromhex(check_hex_id(x)) for x in sids]
+            ok = await state.run(store.reachable, volume, oids)
+            if not all(ok):
+                raise NotFound("no such snapshot")
+        got = await state.run(store.pin, volume, sids, float(ttl or 60.0))
+        return web.json_response({"pins": got})
+    ids = _field(body, "pins", list)
+    if not 0 < len(ids) <= 64 or not all(isinstance(x, str) for x in ids):
+        raise InvalidInput("'pins' must list 1 to 64 pin ids")
+    if action == "renew":
+        await state.run(store.renew_pins, volume, ids, float(ttl or 60.0))
+    elif action == "release":
+        await state.run(store.release_pins, volume, ids)
+    else:
+        raise NotFound(f"no pin action {action!r}")
+    return web.json_response({"ok": True})
+
+
 # -- owner-only administration ------------------------------------------------------------
 
 def _owner(request: web.Request) -> None:
@@ -789,6 +822,7 @@ def make_app(state: ServerState) -> web.Application:
     r.add_post("/v1/volumes/{volume}/branches", fork)
     r.add_delete("/v1/volumes/{volume}/branches/{branch:.+}", delete_branch)
     r.add_post("/v1/volumes/{volume}/lease/{action}", lease)
+    r.add_post("/v1/volumes/{volume}/pins/{action}", pins)
     r.add_get("/v1/snapshots/{prefix}", find_snapshot)
     r.add_post("/v1/publish", publish)
     r.add_post("/v1/admin/tokens", token_create)

@@ -278,6 +278,19 @@ class RemoteStore(Store):
         self._json("POST", f"/v1/volumes/{check_volume(volume)}/lease/release",
                    {"branch": branch, "lease": lease})
 
+    def pin(self, volume: str, sids: Sequence[str], ttl: float) -> list[str]:
+        r = self._json("POST", f"/v1/volumes/{check_volume(volume)}/pins/pin",
+                       {"snapshots": list(sids), "ttl": ttl})
+        return [str(p) for p in r["pins"]]
+
+    def renew_pins(self, volume: str, pins: Sequence[str], ttl: float) -> None:
+        self._json("POST", f"/v1/volumes/{check_volume(volume)}/pins/renew",
+                   {"pins": list(pins), "ttl": ttl})
+
+    def release_pins(self, volume: str, pins: Sequence[str]) -> None:
+        self._json("POST", f"/v1/volumes/{check_volume(volume)}/pins/release",
+                   {"pins": list(pins)})
+
     def publish(self, changesets: Sequence[ChangeSet],
                 objects: Sequence[tuple[int, bytes]] = (), *,
                 txid: bytes | None = None) -> list[str]:

@@ -25,7 +25,7 @@ from strata.engine.errors import InvalidInput, Unavailable
 from strata.engine.local import LocalStore, StoreConfig, read_store_meta
 from strata.memtrim import return_large_buffers_to_the_os
 from strata.server.app import ServerState, make_app
-from strata.server.client import _UnixConnection, default_socket
+from strata.server.client import default_socket, http_connection
 from strata.server.tokens import TokenStore
 
 
@@ -75,8 +75,8 @@ def _bind(spec: str, store_dir: str) -> Listener:
     raise InvalidInput(f"listen address must be unix:PATH or tcp:HOST:PORT, not {spec!r}")
 
 
-def _owner_connection(path: str) -> _UnixConnection | None:
-    conn = _UnixConnection(path, timeout=60.0)
+def _owner_connection(path: str) -> http.client.HTTPConnection | None:
+    conn = http_connection("unix", path, 0, timeout=60.0)
     try:
         conn.connect()
     except OSError:

@@ -14,10 +14,13 @@ import base64
 import json
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+
+import msgpack
 
 from strata.engine.errors import Corrupt, InvalidInput, Unavailable
 from strata.engine.interface import ChangeSet, Lease, SnapshotInfo, Store
@@ -146,6 +149,47 @@ class _Conn:
             self._exactly(2)  # CRLF
 
 
+class _LeanConn:
+    """One connection of the lean stream (server/lean.py): [op, args] in, [status, result] out."""
+
+    FRAME = struct.Struct(">I")
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.sock = _connect("unix", path, 0, timeout)
+        self.rfile = self.sock.makefile("rb")
+
+    def call(self, request: list[Any]) -> tuple[int, Any]:
+        data = msgpack.packb(request, use_bin_type=True)
+        if len(data) <= 256 * 1024:
+            self.sock.sendall(self.FRAME.pack(len(data)) + data)  # one write, one wake-up
+        else:
+            self.sock.sendall(self.FRAME.pack(len(data)))
+            self.sock.sendall(data)
+        head = self.rfile.read(self.FRAME.size)
+        if len(head) != self.FRAME.size:
+            raise BadResponse("the lean stream closed")
+        (length,) = self.FRAME.unpack(head)
+        if length > wire.MAX_BODY:
+            raise BadResponse(f"lean answer of {length} bytes")
+        body = self.rfile.read(length)
+        if len(body) != length:
+            raise BadResponse("the lean answer ended early")
+        try:
+            answer = msgpack.unpackb(body, raw=False)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            raise BadResponse(f"lean answer is not msgpack: {exc}") from None
+        if not (isinstance(answer, list) and len(answer) == 2 and isinstance(answer[0], int)):
+            raise BadResponse("lean answer is not [status, result]")
+        return answer[0], answer[1]
+
+    def close(self) -> None:
+        self.rfile.close()
+        self.sock.close()
+
+
+_MISS = object()  # the lean stream could not answer: use HTTP
+
+
 def http_connection(kind: str, where: str, port: int, timeout: float
                     ) -> http.client.HTTPConnection:
     """A `http.client` connection (unix or TCP), for streaming and for tests.
@@ -220,6 +264,9 @@ class RemoteStore(Store):
         self.node_cache = NodeCache()
         self._snap_cache: dict[str, SnapshotInfo] = {}
         self._block_size: int | None = None
+        # Object reads and publishes take the lean stream when the server offers one.
+        self._lean = wire.lean_path(self.where) if self.kind == "unix" else None
+        self._lean_after = 0.0  # after a refused connect, HTTP only until then
 
     # -- transport -------------------------------------------------------------------
 
@@ -229,6 +276,34 @@ class RemoteStore(Store):
             conn = _Conn(self.kind, self.where, self.port, self.timeout)
             self._local.conn = conn
         return conn
+
+    def _lean_call(self, *request: Any) -> Any:
+        """The lean stream's result, or _MISS (no stream, a restart, changing owner)."""
+        if self._lean is None or time.monotonic() < self._lean_after:
+            return _MISS
+        conn: _LeanConn | None = getattr(self._local, "lean", None)
+        try:
+            if conn is None:
+                conn = self._local.lean = _LeanConn(self._lean, self.timeout)
+            status, result = conn.call(list(request))
+        except (OSError, BadResponse) as exc:
+            self._drop_lean()
+            if conn is None or isinstance(exc, FileNotFoundError | ConnectionRefusedError):
+                self._lean_after = time.monotonic() + 1.0
+            return _MISS  # HTTP retries (a publish carries its id: a retry is safe)
+        if status == 0:
+            return result
+        if status == 503:
+            self._drop_lean()
+            return _MISS  # changing owner: HTTP's retry loop waits for the successor
+        wire.raise_error(status, result if isinstance(result, dict) else {})
+        return _MISS  # not reached: raise_error raises
+
+    def _drop_lean(self) -> None:
+        conn = getattr(self._local, "lean", None)
+        if conn is not None:
+            conn.close()
+            self._local.lean = None
 
     def _drop_conn(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -319,6 +394,11 @@ class RemoteStore(Store):
                      "application/octet-stream")
 
     def get_object(self, oid: bytes) -> bytes:
+        got = self._lean_call("get", oid)
+        if isinstance(got, bytes):
+            return _verified(oid, got)
+        if got is not _MISS:
+            raise InvalidInput("the server answered an object read with no bytes")
         _s, _h, data = self.request("GET", f"/v1/objects/{oid.hex()}")
         return _verified(oid, data)
 
@@ -327,6 +407,14 @@ class RemoteStore(Store):
         start = 0
         while start < len(ids):
             chunk = ids[start:start + 1024]
+            got = self._lean_call("get_many", list(chunk))
+            if got is not _MISS:
+                if not isinstance(got, list) or not 1 <= len(got) <= len(chunk) or not all(
+                        isinstance(r, bytes) for r in got):
+                    raise InvalidInput("the server's batch read answer is malformed")
+                out += [_verified(oid, raw) for oid, raw in zip(chunk, got, strict=False)]
+                start += len(got)
+                continue
             _s, headers, data = self.request("POST", "/v1/objects/get", wire.encode_ids(chunk),
                                              "application/octet-stream")
             # The server may answer only the first ids (its answers are size-capped).
@@ -399,6 +487,15 @@ class RemoteStore(Store):
         # One id for every attempt of this publish: `request` may send it again
         # after a lost answer, and the store recognises its own work.
         body = wire.encode_publish(changesets, objects, txid=txid or os.urandom(16))
+        got = self._lean_call("publish", body)
+        if got is not _MISS:
+            if not isinstance(got, dict) or not isinstance(got.get("heads"), list):
+                raise InvalidInput("the server's publish answer is malformed")
+            for item in got.get("prefetch") or ():
+                if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) \
+                        and isinstance(item[1], bytes) and len(item[0]) == 64:
+                    self._prefetched(item[0], item[1])
+            return [str(h) for h in got["heads"]]
         _s, _h, data = self.request("POST", "/v1/publish", body, "application/msgpack")
         reply = json.loads(data)
         for oid, raw64 in reply.get("prefetch") or ():
@@ -475,4 +572,5 @@ class RemoteStore(Store):
 
     def close(self) -> None:
         self._drop_conn()
+        self._drop_lean()
 

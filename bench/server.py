@@ -132,9 +132,9 @@ def bench_latency(root: str, n: int) -> list[dict[str, Any]]:
             for i in range(32):
                 reader.read(f"f{i}")  # warm: tree nodes in the client's cache, the pack in RAM
             rlats[name] = _lat(lambda i, r=reader: r.read(f"f{i % 32}"), n)
-        root = unix.snapshot(unix.head("v", "live")).root.ref
-        assert root is not None
-        rtt = {name: _lat(lambda i, r=remote: r.get_object(root), n)
+        root_id = unix.snapshot(unix.head("v", "live")).root.ref
+        assert root_id is not None
+        rtt = {name: _lat(lambda i, r=remote: r.get_object(root_id), n)
                for name, remote in (("unix", unix), ("unix-http", unix_http))}
         unix.close()
         unix_http.close()

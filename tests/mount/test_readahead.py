@@ -117,6 +117,14 @@ def test_a_lying_server_never_reaches_a_reader(store: Counting, tmp_path: Path) 
         _read(fs, bad * BLOCK, BLOCK)
     assert fs.readahead.ready(fnode.blocks[bad]) is None
     assert not list((tmp_path / "cache").rglob(fnode.blocks[bad].hex()[2:] + "*"))
+    # A good block fetched in the same request as the bad one reads fine: a fresh
+    # reader's first read starts a window at block bad-3 that holds the bad block.
+    fresh = _fs(store, tmp_path / "cache2")
+    good = bad - 3
+    assert _read(fresh, good * BLOCK, BLOCK) == _content()[good * BLOCK:(good + 1) * BLOCK]
+    with pytest.raises(Corrupt):
+        _read(fresh, bad * BLOCK, 100)
+    fresh.readahead.close()
     # The server stops lying: the block is fetched again, checked, and served.
     store.lie_about = None
     assert _read(fs, bad * BLOCK, BLOCK) == _content()[bad * BLOCK:(bad + 1) * BLOCK]

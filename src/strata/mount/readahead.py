@@ -157,7 +157,12 @@ class ReadAhead:
                 return data
             fut = self._pending.get(oid)
         if fut is not None:
-            fut.result()  # re-raises the window's error (an unreachable or lying server)
+            try:
+                fut.result()
+            except Exception:
+                # The window failed (a lying server, a lost connection): fetch this
+                # block alone below, checked again; its own error, if any, is raised.
+                pass
             with self._lock:
                 data = self._hot.get(oid)
             if data is not None:
@@ -179,14 +184,18 @@ class ReadAhead:
             if ready:
                 self._ready(ready, False)  # cached blocks need not wait for the fetch
             fetched: list[tuple[bytes, bytes]] = []
+            bad: list[bytes] = []
             if todo:
                 # A store that checks what it returns (RemoteStore) is not checked twice.
                 checked = getattr(store, "verifies_reads", False) is True
                 for oid, data in zip(todo, store.get_objects(todo), strict=True):
-                    if not checked and not matches(oid, data, (BLOCK,)):
-                        raise Corrupt("remote", 0, f"block {oid.hex()} does not match its id")
-                    fetched.append((oid, data))
+                    if checked or matches(oid, data, (BLOCK,)):
+                        fetched.append((oid, data))
+                    else:
+                        bad.append(oid)  # never made ready: its reader fetches it alone
                 self._ready(fetched, True)
+                if bad:
+                    raise Corrupt("remote", 0, f"block {bad[0].hex()} does not match its id")
                 for oid, data in fetched if keep else ():  # after the readers are released
                     self._writer.put(oid, data)
         except BaseException as exc:

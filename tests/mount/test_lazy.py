@@ -17,7 +17,7 @@ import pytest
 from mount_harness import MountEnv
 
 from strata.engine.txn import Transaction
-from strata.mount.vfs import READ_AHEAD_BLOCKS
+from strata.mount.readahead import MIN_AHEAD, REQUEST_BYTES
 from strata.server.client import RemoteStore, default_socket
 
 MIB = 1024 * 1024
@@ -90,11 +90,11 @@ def test_large_file_reads_fetch_only_the_blocks_read(menv: MountEnv,
     after = _served(lazy_vol)
     assert data == _big_bytes()[offset:offset + MIB]
     # 16 blocks cover the read, plus the file's block list; the mount's read-ahead
-    # window (a sequential reader gets the next READ_AHEAD_BLOCKS in one request)
-    # and kernel readahead may ask for a little more, never the 1,024 blocks of
-    # the whole file.
+    # (which starts at MIN_AHEAD blocks after a jump and grows only as a reader
+    # keeps reading in order, in requests of REQUEST_BYTES) and kernel readahead
+    # may ask for a little more, never the 1,024 blocks of the whole file.
     blocks = after[0] - before[0]
-    slack = READ_AHEAD_BLOCKS + 8
+    slack = 2 * MIN_AHEAD + 2 * (REQUEST_BYTES // BLOCK) + 8
     assert 16 <= blocks <= 16 + 1 + slack, (before, after)
     assert after[1] - before[1] <= MIB + slack * BLOCK + 64 * 1024
 

@@ -36,7 +36,7 @@ from strata.engine.objects import (
 )
 from strata.engine.txn import Transaction
 from strata.server import wire
-from strata.server.client import RemoteStore, _UnixConnection
+from strata.server.client import RemoteStore, http_connection
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serverutil import Server  # noqa: E402
@@ -53,7 +53,7 @@ class Env:
             ctype: str = "application/json", headers: dict[str, str] | None = None,
             ) -> tuple[int, Any]:
         """One request on a fresh connection: (status, JSON body or raw bytes)."""
-        conn = _UnixConnection(self.server.sock, 30.0)
+        conn = http_connection("unix", self.server.sock, 0, 30.0)
         try:
             conn.request(method, path, body=body,
                          headers={"Content-Type": ctype, **(headers or {})})

@@ -6,8 +6,6 @@ import argparse
 from typing import Any
 
 from strata.cli.common import Progress, open_store, parse_size, print_json, store_path
-from strata.engine.local import LocalStore, init_store
-from strata.server.client import RemoteStore
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -44,6 +42,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
+    from strata.engine.local import init_store
     path = store_path(args)
     if args.bucket:
         from strata.engine.bucket import Bucket  # obstore: only with a bucket
@@ -72,6 +71,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    from strata.engine.local import LocalStore
+    from strata.server.client import RemoteStore
     with open_store(args) as store:
         if isinstance(store, LocalStore):
             stats: dict[str, Any] = {**store.stats, "bucket": store.tier_report(),
@@ -100,6 +101,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
+    from strata.engine.local import LocalStore
+    from strata.server.client import RemoteStore
     with open_store(args) as store:
         if isinstance(store, LocalStore):
             rebuilt = store.rebuild_index() if args.rebuild_index else None

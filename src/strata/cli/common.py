@@ -1,4 +1,10 @@
-"""Shared pieces of the CLI: REF parsing, opening the store, and output helpers."""
+"""Shared pieces of the CLI: REF parsing, opening the store, and output helpers.
+
+Every `strata` command imports this module before it runs, so it imports
+only what parsing arguments needs: the store, the client and the tree code
+are imported by the functions that use them (tests/test_cli_imports.py holds
+the budget).
+"""
 
 from __future__ import annotations
 
@@ -6,21 +12,20 @@ import argparse
 import json
 import os
 import stat as statmod
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata.engine.errors import InvalidInput, NotFound, Unavailable
-from strata.engine.interface import Store
-from strata.engine.local import LocalStore, read_store_meta
 from strata.engine.names import check_branch, check_volume, split_path
-from strata.engine.objects import ENTRY_KIND_NAMES, K_DIR, K_SYMLINK, Entry
-from strata.engine.tree import Trees
-from strata.server.client import RemoteStore, default_socket, is_serving
+
+if TYPE_CHECKING:
+    from strata.engine.interface import Store
+    from strata.engine.objects import Entry
+    from strata.server.client import RemoteStore
 
 DEFAULT_BRANCH = "live"
 Handler = Callable[[argparse.Namespace], int]
@@ -47,6 +52,7 @@ def open_store(args: argparse.Namespace) -> Iterator[Store]:
     commit). STRATA_IN_PROCESS=1 opens the store in this process instead.
     """
     if os.environ.get("STRATA_IN_PROCESS") == "1" and server_url(args) is None:
+        from strata.engine.local import LocalStore
         with LocalStore(store_path(args)) as local:
             yield local
         return
@@ -56,6 +62,7 @@ def open_store(args: argparse.Namespace) -> Iterator[Store]:
 
 @contextmanager
 def open_remote(args: argparse.Namespace) -> Iterator[RemoteStore]:
+    from strata.server.client import RemoteStore
     url = server_url(args)
     token = getattr(args, "token", None) or os.environ.get("STRATA_TOKEN") or None
     if url is None:
@@ -69,10 +76,13 @@ def open_remote(args: argparse.Namespace) -> Iterator[RemoteStore]:
 
 def ensure_server(path: str, timeout: float = 15.0) -> str:
     """The unix socket of the store's server, starting one if none answers."""
+    from strata.engine.storedir import read_store_meta
+    from strata.server.client import default_socket, is_serving
     read_store_meta(path)  # "no strata store at ... (run 'strata init')"
     sock = default_socket(path)
     if is_serving(sock):
         return sock
+    import subprocess
     idle = os.environ.get("STRATA_SERVER_IDLE_EXIT", "300")
     with open(os.path.join(path, "serve.log"), "ab") as log:
         subprocess.Popen(
@@ -136,6 +146,7 @@ def resolve_base(store: Store, text: str | None) -> str | None:
 
 def lookup(store: Store, sid: str, path: str) -> Entry:
     """The entry at `path` in snapshot `sid`; `NotFound` if it is missing."""
+    from strata.engine.tree import Trees
     parts = split_path(path)
     e = Trees(store).resolve(store.snapshot(sid).root, parts)
     if e is None:
@@ -253,6 +264,7 @@ def fmt_time(ns: int) -> str:
 
 
 def entry_json(path: str, e: Entry) -> dict[str, Any]:
+    from strata.engine.objects import ENTRY_KIND_NAMES, K_SYMLINK
     out: dict[str, Any] = {
         "path": path, "type": ENTRY_KIND_NAMES[e.kind], "mode": f"{e.mode:04o}",
         "uid": e.uid, "gid": e.gid, "size": e.size, "mtime_ns": e.mtime_ns,
@@ -271,6 +283,7 @@ def entry_json(path: str, e: Entry) -> dict[str, Any]:
 
 
 def long_line(name: str, e: Entry) -> str:
+    from strata.engine.objects import K_DIR, K_SYMLINK
     size = f"{os.major(e.rdev)}, {os.minor(e.rdev)}" if e.rdev else str(e.size)
     line = (f"{statmod.filemode(e.st_mode)} {e.nlink:>2} {e.uid:>5} {e.gid:>5} {size:>10} "
             f"{fmt_time(e.mtime_ns)} {name}")

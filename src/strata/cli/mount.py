@@ -7,7 +7,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata.cli.common import (
     ensure_server,
@@ -19,8 +19,9 @@ from strata.cli.common import (
     store_path,
 )
 from strata.engine.errors import InvalidInput
-from strata.engine.interface import Store
-from strata.server.client import RemoteStore
+
+if TYPE_CHECKING:
+    from strata.engine.interface import Store
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -68,6 +69,7 @@ def _store_for(args: argparse.Namespace, state: Any) -> Iterator[Store]:
 
     The local store's own server is started again if it has exited idle.
     """
+    from strata.server.client import RemoteStore
     server, token = state.server, state.extra.get("token")
     if server is not None and server_url(args) is None:
         if state.extra.get("store"):

@@ -18,8 +18,6 @@ from strata.cli.common import (
     show_path,
 )
 from strata.engine.errors import InvalidInput
-from strata.engine.objects import K_DIR, K_FILE, FileNode
-from strata.engine.tree import Trees, decode_name
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -72,6 +70,8 @@ def cmd_log(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from strata.engine.objects import K_DIR
+    from strata.engine.tree import Trees, decode_name
     ref = parse_ref(args.ref)
     with open_store(args) as store:
         e = lookup(store, ref.resolve(store), args.path)
@@ -93,6 +93,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_cat(args: argparse.Namespace) -> int:
+    from strata.engine.objects import K_FILE, FileNode
     ref = parse_ref(args.ref)
     out = sys.stdout.buffer
     with open_store(args) as store:
@@ -131,6 +132,7 @@ def cmd_stat(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    from strata.engine.tree import Trees
     ref_a, ref_b = parse_ref(args.ref_a), parse_ref(args.ref_b)
     with open_store(args) as store:
         root_a = store.snapshot(ref_a.resolve(store)).root

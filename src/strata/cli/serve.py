@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from typing import Any
 
 from strata.cli.common import Progress, open_remote, parse_size, print_json, store_path
-from strata.server.client import default_socket
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -54,6 +52,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from strata.server.client import default_socket
     from strata.server.serve import (  # aiohttp: only when serving
         ServeResult,
         run_server,
@@ -86,6 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"strata: took over the store; requests waited "
                   f"{result.gap_seconds * 1000:.0f} ms", file=sys.stderr, flush=True)
 
+    import asyncio
     result = asyncio.run(run_server(path, args.listen, takeover=args.takeover, on_ready=ready,
                                     idle_exit=args.idle_exit))
     if result.notes:

@@ -9,8 +9,6 @@ import argparse
 import json
 import sys
 import time
-import urllib.parse
-import webbrowser
 from typing import Any
 
 from strata.cli.common import ensure_server, open_remote, server_url, store_path
@@ -168,6 +166,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
                            "'strata serve --listen tcp:127.0.0.1:PORT', or pass --url")
         tok = store.admin("POST", "tokens", {"volume": args.volume, "branch": None,
                                              "writable": False, "ttl": args.ttl})
+    import urllib.parse
     parsed = urllib.parse.urlsplit(base)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise InvalidInput(f"--url must be http://HOST:PORT, not {base!r}")
@@ -176,6 +175,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
                                      "next": f"/ui/?v={args.volume}"}))
     print(url)
     if args.open:
+        import webbrowser
         webbrowser.open(url)
     return 0
 

@@ -17,8 +17,6 @@ from typing import Any
 
 from strata.cli.common import open_store, parse_ref, quote_path, resolve_base
 from strata.engine.names import split_path
-from strata.engine.txn import Transaction
-from strata.fsio import export_snapshot, import_dir
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -67,6 +65,7 @@ def _base_and_message(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_put(args: argparse.Namespace) -> int:
+    from strata.engine.txn import Transaction
     ref = parse_ref(args.ref)
     branch = ref.need_branch()
     parts = split_path(args.path)  # refuse a hostile path before reading any input
@@ -88,6 +87,7 @@ def cmd_put(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    from strata.engine.txn import Transaction
     ref = parse_ref(args.ref)
     branch = ref.need_branch()
     split_path(args.path)
@@ -121,6 +121,7 @@ def _progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from strata.fsio import import_dir
     from strata.memtrim import return_large_buffers_to_the_os
     return_large_buffers_to_the_os()  # upload batches of big files are freed for real
     ref = parse_ref(args.ref)
@@ -138,6 +139,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from strata.fsio import export_snapshot
     ref = parse_ref(args.ref)
     with open_store(args) as store:
         report = export_snapshot(store, ref.resolve(store), args.dir,

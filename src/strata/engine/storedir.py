@@ -12,7 +12,6 @@ import fcntl
 import json
 import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +49,7 @@ def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
         return
     os.chmod(path, 0o700)  # the store is its owner's alone: data, tokens, socket
     os.makedirs(os.path.join(path, "packs"), mode=0o700, exist_ok=True)
-    settings: dict[str, Any] = {"version": STORE_VERSION, "id": store_id or uuid.uuid4().hex,
+    settings: dict[str, Any] = {"version": STORE_VERSION, "id": store_id or os.urandom(16).hex(),
                                 "block_size": block_size}
     if bucket is not None and pack_size_limit is None:
         # A restore rebuilds the unsealed pack from the log: smaller packs bound that.

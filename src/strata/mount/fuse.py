@@ -123,10 +123,16 @@ class Operations(pyfuse3.Operations):
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         inode, fnode = self._files[fh]
+        # Blocks already fetched ahead (and verified) are served without a thread hop.
+        data = self.fs.read_nowait(inode, off, size, fnode)
+        if data is not None:
+            return data
         return await _call(self.fs.read, inode, off, size, fnode)
 
     async def release(self, fh: int) -> None:
-        self._files.pop(fh, None)
+        inode, _fnode = self._files.pop(fh, (0, None))
+        if inode and not any(i == inode for i, _f in self._files.values()):
+            self.fs.readahead.forget(inode)
 
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         return _fast(self.fs.getxattr, inode, name)

@@ -63,8 +63,11 @@ def start(state: MountState, *, background: bool, watch_pid: int | None = None,
     state.save()
     store = RemoteStore(state.server or "", state.extra.get("token"))
     try:
+        # A server on this machine keeps the bytes on this disk already: streamed reads
+        # of large files skip the content cache (see mount/readahead.py).
         fs = SnapshotFS([Volume(v.name or v.volume, store, v.pinned) for v in state.volumes],
-                        ContentCache(), single=state.single)
+                        ContentCache(), single=state.single,
+                        cache_streams=store.kind != "unix")
     except StrataError as exc:
         os.write(wfd, str(exc).encode())
         os.close(wfd)

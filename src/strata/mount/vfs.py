@@ -3,8 +3,9 @@
 Inode numbers are handed out on first lookup and never change (snapshots are
 immutable); members of one hard-link group share an inode. Tree nodes are
 fetched only when a lookup or listing needs them, and file bytes only when
-read, block by block, through the shared content cache. This module knows
-nothing of FUSE: `fuse.py` translates it.
+read, block by block, through the shared content cache; large files read in
+order are fetched ahead of the reader by `readahead.ReadAhead`. This module
+knows nothing of FUSE: `fuse.py` translates it.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from strata.engine.objects import (
 )
 from strata.engine.tree import NodeCache, Trees
 from strata.mount.cache import ContentCache
+from strata.mount.readahead import ReadAhead
 
 ROOT_INO = 1
-READ_AHEAD_BLOCKS = 32  # 2 MiB at the default block size
 HIDDEN_XATTR_PREFIX = b"trusted.overlay."  # never show overlayfs' own markers from below
 
 
@@ -73,7 +74,7 @@ class SnapshotFS:
     """Pinned snapshots as one tree: either one volume at the root, or one per name."""
 
     def __init__(self, volumes: list[Volume], cache: ContentCache, *, single: bool = True,
-                 large_file: int = 8 * 1024 * 1024) -> None:
+                 large_file: int = 8 * 1024 * 1024, cache_streams: bool = True) -> None:
         if single and len(volumes) != 1:
             raise ValueError("a single-volume view needs exactly one volume")
         self.cache = cache
@@ -82,7 +83,7 @@ class SnapshotFS:
         self._nodes: dict[int, Node] = {}
         self._groups: dict[tuple[int, int], int] = {}  # (volume index, link ino) -> inode
         self._next = ROOT_INO + 1
-        self._ahead: dict[int, int] = {}  # inode -> last block fetched by read-ahead
+        self.readahead = ReadAhead(cache, cache_streams=cache_streams)
         self._vol_of: dict[int, int] = {}  # inode -> volume index
         self.volumes = volumes
         self._trees = [Trees(_CachedSource(v.store, cache), NodeCache()) for v in volumes]
@@ -215,24 +216,31 @@ class SnapshotFS:
         self.cache.get_many([b for b in fnode.blocks if b != ZERO_ID], src.store.get_objects,
                             (BLOCK,))
 
-    def _read_ahead(self, ino: int, fnode: FileNode, first: int, last: int,
-                    store: Store) -> None:
-        """Fetch a large file's blocks a window at a time while it is read in order.
+    def read_nowait(self, ino: int, offset: int, size: int, fnode: FileNode | None
+                    ) -> bytes | None:
+        """A large file's bytes if every block they need is verified and in memory, else None.
 
-        One batched request per window instead of one per 64 KiB block; a read
-        far from the last window (random access) fetches just what it needs.
+        Never blocks (the adapter calls it on its event loop); it still plans the
+        read-ahead, so the threaded `read` that follows a None finds windows in flight.
         """
-        with self._lock:
-            ahead = self._ahead.get(ino, -1)
-        if first <= ahead and last <= ahead:
-            return  # already fetched by the window in progress
-        sequential = ahead >= 0 and first <= ahead + 1
-        stop = min(len(fnode.blocks) - 1, last + (READ_AHEAD_BLOCKS if sequential or
-                                                  first == 0 else 0))
-        want = [b for b in fnode.blocks[first:stop + 1] if b != ZERO_ID]
-        self.cache.get_many(want, store.get_objects, (BLOCK,))
-        with self._lock:
-            self._ahead[ino] = stop
+        n = self._nodes.get(ino)
+        if n is None or fnode is None or n.entry.kind != K_FILE or n.entry.size <= self.large_file:
+            return None
+        end = min(n.entry.size, offset + size)
+        if offset >= end:
+            return None
+        bs = fnode.block_size
+        first, last = offset // bs, (end - 1) // bs
+        self.readahead.plan(ino, fnode.blocks, bs, first, last,
+                            self._sources[self._vol_of[ino]].store)
+        got: dict[bytes, bytes] = {}
+        for oid in fnode.blocks[first:last + 1]:
+            if oid != ZERO_ID and oid not in got:
+                data = self.readahead.ready(oid)
+                if data is None:
+                    return None
+                got[oid] = data
+        return fnode.read(offset, end, got.__getitem__)
 
     def read(self, ino: int, offset: int, size: int, fnode: FileNode | None = None) -> bytes:
         n = self.node(ino)
@@ -249,8 +257,9 @@ class SnapshotFS:
         assert fnode is not None
         src = self._sources[self._vol_of[ino]]
         bs = fnode.block_size
-        first, last = offset // bs, (end - 1) // bs
         if e.size > self.large_file:
-            self._read_ahead(ino, fnode, first, last, src.store)
+            store = src.store
+            self.readahead.plan(ino, fnode.blocks, bs, offset // bs, (end - 1) // bs, store)
+            return fnode.read(offset, end, lambda oid: self.readahead.block(oid, store))
         return fnode.read(offset, end,
                           lambda oid: self.cache.get(oid, src.store.get_object, (BLOCK,)))

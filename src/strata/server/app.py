@@ -33,6 +33,7 @@ from strata.engine.errors import (
     Unavailable,
     no_object,
 )
+from strata.engine.interface import ChangeSet
 from strata.engine.local import LocalStore
 from strata.engine.names import check_branch, check_hex_id, check_volume
 from strata.server import events as events_mod
@@ -591,38 +592,45 @@ async def publish(request: web.Request) -> web.Response:
         scope.check_branch(cs.volume, cs.branch, write=True)
         if not scope.is_owner:
             await _check_visible(request, cs.volume, cs.base)
+    heads, prefetch = await state.run(publish_now, state, scope, changesets, objects, txid)
+    return web.json_response({"heads": heads, "prefetch": [
+        [oid, base64.b64encode(raw).decode()] for oid, raw in prefetch]})
+
+
+def publish_now(state: ServerState, scope: Scope, changesets: list[ChangeSet],
+                objects: list[tuple[int, bytes]], txid: bytes | None
+                ) -> tuple[list[str], list[tuple[str, bytes]]]:
+    """Publish (blocks: the group commit's fdatasync); the heads and what to prefetch.
+
+    Shared by the HTTP handler and the unix socket's lean stream (server/lean.py).
+    """
     store = state.need_store()
-
-    def run() -> dict[str, Any]:
-        if scope.volume is not None:
-            store.check_refs_reachable(scope.volume, changesets, objects)
-        store.check_tree_refs(objects)
-        try:
-            heads, nodes = store.publish_detailed(changesets, objects, txid=txid)
-        except Conflict as exc:
-            state.events.note_conflict(changesets, exc.paths)
-            raise
-        # Noted here, in the thread that published: a client that hangs up now
-        # cancels the handler, not this.
-        state.events.note_publish(changesets, heads, txid)
-        return {"heads": heads, "prefetch": _prefetch(store, heads, nodes)}
-
-    return web.json_response(await state.run(run))
+    if scope.volume is not None:
+        store.check_refs_reachable(scope.volume, changesets, objects)
+    store.check_tree_refs(objects)
+    try:
+        heads, nodes = store.publish_detailed(changesets, objects, txid=txid)
+    except Conflict as exc:
+        state.events.note_conflict(changesets, exc.paths)
+        raise
+    # Noted here, in the thread that published: a client that hangs up now
+    # cancels the handler, not this.
+    state.events.note_publish(changesets, heads, txid)
+    return heads, _prefetch(store, heads, nodes)
 
 
 def _prefetch(store: LocalStore, heads: list[str], nodes: dict[bytes, bytes]
-              ) -> list[list[str]]:
+              ) -> list[tuple[str, bytes]]:
     """The new snapshots and tree nodes (up to a budget): what the client reads next."""
     out = []
     for head in heads:
-        raw = store.get_object(bytes.fromhex(head))
-        out.append([head, base64.b64encode(raw).decode()])
+        out.append((head, store.get_object(bytes.fromhex(head))))
     budget = PREFETCH_MAX
     for oid, node in nodes.items():
         budget -= len(node)
         if budget < 0:
             break
-        out.append([oid.hex(), base64.b64encode(node).decode()])
+        out.append((oid.hex(), node))
     return out
 
 

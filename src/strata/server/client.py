@@ -11,15 +11,16 @@ and publishes nothing new.
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import os
 import socket
+import struct
 import threading
 import time
-import urllib.parse
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import msgpack
 
 from strata.engine.errors import Corrupt, InvalidInput, Unavailable
 from strata.engine.interface import ChangeSet, Lease, SnapshotInfo, Store
@@ -27,21 +28,183 @@ from strata.engine.names import check_branch, check_volume
 from strata.engine.tree import NodeCache
 from strata.server import wire
 
+if TYPE_CHECKING:
+    import http.client
 
-class _UnixConnection(http.client.HTTPConnection):
+MAX_HEADER_LINE = 65536
+MAX_HEADERS = 100
+
+
+class BadResponse(Exception):
+    """The server's answer was not HTTP/1.1 as this client speaks it (or it hung up)."""
+
+
+def _connect(kind: str, where: str, port: int, timeout: float) -> socket.socket:
+    if kind != "unix":
+        s = socket.create_connection((where, port), timeout)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(where)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+class _Conn:
+    """One kept-alive HTTP/1.1 connection: just the protocol the API needs.
+
+    The CLI's start-up cost is mostly imports, and `http.client` pulls in the
+    email package; this is the few lines of HTTP/1.1 a request/answer needs
+    (Content-Length or chunked answers, keep-alive). Server-sent events still
+    use `http.client` (imported only there).
+    """
+
+    def __init__(self, kind: str, where: str, port: int, timeout: float) -> None:
+        self.sock = _connect(kind, where, port, timeout)
+        self.rfile = self.sock.makefile("rb")
+        self.host = "localhost" if kind == "unix" else f"{where}:{port}"
+
+    def close(self) -> None:
+        self.rfile.close()
+        self.sock.close()
+
+    def request(self, method: str, path: str, body: bytes | None, headers: dict[str, str]
+                ) -> tuple[int, dict[str, str], bytes]:
+        if any(c in path for c in " \r\n\0") or not path.isascii():
+            raise InvalidInput(f"not a request path: {path!r}")
+        lines = [f"{method} {path} HTTP/1.1", f"Host: {self.host}",
+                 f"Content-Length: {len(body or b'')}"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        if body and len(body) <= 256 * 1024:
+            self.sock.sendall(head + body)  # one write: one wake-up of the server
+        else:
+            self.sock.sendall(head)
+            if body:
+                self.sock.sendall(body)
+        status_line = self._line()
+        parts = status_line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise BadResponse(f"bad status line {status_line[:80]!r}")
+        status = int(parts[1])
+        rheaders: dict[str, str] = {}
+        for _ in range(MAX_HEADERS):
+            line = self._line()
+            if not line.strip():
+                break
+            name, sep, value = line.decode("latin-1").partition(":")
+            if not sep:
+                raise BadResponse(f"bad header line {line[:80]!r}")
+            rheaders[name.strip().lower()] = value.strip()
+        else:
+            raise BadResponse("too many header lines")
+        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+            data = b""
+        elif rheaders.get("transfer-encoding", "").lower() == "chunked":
+            data = self._chunked()
+        elif "content-length" in rheaders:
+            try:
+                length = int(rheaders["content-length"])
+            except ValueError as exc:
+                raise BadResponse("bad Content-Length") from exc
+            data = self._exactly(length)
+        else:
+            data = self.rfile.read()
+            rheaders["connection"] = "close"
+        return status, rheaders, data
+
+    def _line(self) -> bytes:
+        line = self.rfile.readline(MAX_HEADER_LINE + 1)
+        if not line:
+            raise BadResponse("the server closed the connection")
+        if len(line) > MAX_HEADER_LINE:
+            raise BadResponse("header line too long")
+        return line
+
+    def _exactly(self, n: int) -> bytes:
+        if n < 0:
+            raise BadResponse("bad Content-Length")
+        data = self.rfile.read(n)
+        if len(data) != n:
+            raise BadResponse("the answer ended early")
+        return data
+
+    def _chunked(self) -> bytes:
+        out = bytearray()
+        while True:
+            size_text = self._line().split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError as exc:
+                raise BadResponse("bad chunk size") from exc
+            if size == 0:
+                while self._line().strip():  # trailers
+                    pass
+                return bytes(out)
+            out += self._exactly(size)
+            self._exactly(2)  # CRLF
+
+
+class _LeanConn:
+    """One connection of the lean stream (server/lean.py): [op, args] in, [status, result] out."""
+
+    FRAME = struct.Struct(">I")
+
     def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
+        self.sock = _connect("unix", path, 0, timeout)
+        self.rfile = self.sock.makefile("rb")
 
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
+    def call(self, request: list[Any]) -> tuple[int, Any]:
+        data = msgpack.packb(request, use_bin_type=True)
+        if len(data) <= 256 * 1024:
+            self.sock.sendall(self.FRAME.pack(len(data)) + data)  # one write, one wake-up
+        else:
+            self.sock.sendall(self.FRAME.pack(len(data)))
+            self.sock.sendall(data)
+        head = self.rfile.read(self.FRAME.size)
+        if len(head) != self.FRAME.size:
+            raise BadResponse("the lean stream closed")
+        (length,) = self.FRAME.unpack(head)
+        if length > wire.MAX_BODY:
+            raise BadResponse(f"lean answer of {length} bytes")
+        body = self.rfile.read(length)
+        if len(body) != length:
+            raise BadResponse("the lean answer ended early")
         try:
-            s.connect(self._path)
-        except OSError:
-            s.close()
-            raise
-        self.sock = s
+            answer = msgpack.unpackb(body, raw=False)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            raise BadResponse(f"lean answer is not msgpack: {exc}") from None
+        if not (isinstance(answer, list) and len(answer) == 2 and isinstance(answer[0], int)):
+            raise BadResponse("lean answer is not [status, result]")
+        return answer[0], answer[1]
+
+    def close(self) -> None:
+        self.rfile.close()
+        self.sock.close()
+
+
+_MISS = object()  # the lean stream could not answer: use HTTP
+
+
+def http_connection(kind: str, where: str, port: int, timeout: float
+                    ) -> http.client.HTTPConnection:
+    """A `http.client` connection (unix or TCP), for streaming and for tests.
+
+    `http.client` is imported here, not at the top: the CLI's common path never needs it.
+    """
+    import http.client
+
+    class UnixConnection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = _connect("unix", where, 0, timeout)
+
+    if kind == "unix":
+        return UnixConnection("localhost", timeout=timeout)
+    return http.client.HTTPConnection(where, port, timeout=timeout)
 
 
 SOCKET_NAME = "serve.sock"
@@ -80,6 +243,7 @@ def parse_server(url: str) -> tuple[str, str, int]:
     """`unix:PATH` or `http://HOST:PORT` -> (kind, host-or-path, port)."""
     if url.startswith("unix:"):
         return "unix", url[5:], 0
+    import urllib.parse
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme != "http" or not parsed.hostname:
         raise InvalidInput(f"server must be unix:PATH or http://HOST:PORT, not {url!r}")
@@ -88,6 +252,10 @@ def parse_server(url: str) -> tuple[str, str, int]:
 
 class RemoteStore(Store):
     """A `Store` served by `strata serve` (see the module docstring)."""
+
+    # Every object get_object and get_objects return was checked against its id here
+    # (the server is not trusted): a caller need not hash it again.
+    verifies_reads = True
 
     def __init__(self, url: str, token: str | None = None, *, retry_for: float = 30.0,
                  timeout: float = 120.0) -> None:
@@ -100,18 +268,46 @@ class RemoteStore(Store):
         self.node_cache = NodeCache()
         self._snap_cache: dict[str, SnapshotInfo] = {}
         self._block_size: int | None = None
+        # Object reads and publishes take the lean stream when the server offers one.
+        self._lean = wire.lean_path(self.where) if self.kind == "unix" else None
+        self._lean_after = 0.0  # after a refused connect, HTTP only until then
 
     # -- transport -------------------------------------------------------------------
 
-    def _conn(self) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+    def _conn(self) -> _Conn:
+        conn: _Conn | None = getattr(self._local, "conn", None)
         if conn is None:
-            if self.kind == "unix":
-                conn = _UnixConnection(self.where, self.timeout)
-            else:
-                conn = http.client.HTTPConnection(self.where, self.port, timeout=self.timeout)
+            conn = _Conn(self.kind, self.where, self.port, self.timeout)
             self._local.conn = conn
         return conn
+
+    def _lean_call(self, *request: Any) -> Any:
+        """The lean stream's result, or _MISS (no stream, a restart, changing owner)."""
+        if self._lean is None or time.monotonic() < self._lean_after:
+            return _MISS
+        conn: _LeanConn | None = getattr(self._local, "lean", None)
+        try:
+            if conn is None:
+                conn = self._local.lean = _LeanConn(self._lean, self.timeout)
+            status, result = conn.call(list(request))
+        except (OSError, BadResponse) as exc:
+            self._drop_lean()
+            if conn is None or isinstance(exc, FileNotFoundError | ConnectionRefusedError):
+                self._lean_after = time.monotonic() + 1.0
+            return _MISS  # HTTP retries (a publish carries its id: a retry is safe)
+        if status == 0:
+            return result
+        if status == 503:
+            self._drop_lean()
+            return _MISS  # changing owner: HTTP's retry loop waits for the successor
+        wire.raise_error(status, result if isinstance(result, dict) else {})
+        return _MISS  # not reached: raise_error raises
+
+    def _drop_lean(self) -> None:
+        conn = getattr(self._local, "lean", None)
+        if conn is not None:
+            conn.close()
+            self._local.lean = None
 
     def _drop_conn(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -130,15 +326,10 @@ class RemoteStore(Store):
         delay = 0.02
         while True:
             try:
-                conn = self._conn()
-                conn.request(method, path, body=body, headers=hdrs)
-                resp = conn.getresponse()
-                data = resp.read()
-                status = resp.status
-                rheaders = {k.lower(): v for k, v in resp.getheaders()}
+                status, rheaders, data = self._conn().request(method, path, body, hdrs)
                 if rheaders.get("connection", "").lower() == "close":
                     self._drop_conn()
-            except (OSError, http.client.HTTPException) as exc:  # refused, reset, timeout
+            except (OSError, BadResponse) as exc:  # refused, reset, timeout
                 self._drop_conn()
                 if time.monotonic() >= deadline:
                     raise Unavailable(f"cannot reach strata server at {self.url}: {exc}") from exc
@@ -207,6 +398,11 @@ class RemoteStore(Store):
                      "application/octet-stream")
 
     def get_object(self, oid: bytes) -> bytes:
+        got = self._lean_call("get", oid)
+        if isinstance(got, bytes):
+            return _verified(oid, got)
+        if got is not _MISS:
+            raise InvalidInput("the server answered an object read with no bytes")
         _s, _h, data = self.request("GET", f"/v1/objects/{oid.hex()}")
         return _verified(oid, data)
 
@@ -215,6 +411,14 @@ class RemoteStore(Store):
         start = 0
         while start < len(ids):
             chunk = ids[start:start + 1024]
+            got = self._lean_call("get_many", list(chunk))
+            if got is not _MISS:
+                if not isinstance(got, list) or not 1 <= len(got) <= len(chunk) or not all(
+                        isinstance(r, bytes) for r in got):
+                    raise InvalidInput("the server's batch read answer is malformed")
+                out += [_verified(oid, raw) for oid, raw in zip(chunk, got, strict=False)]
+                start += len(got)
+                continue
             _s, headers, data = self.request("POST", "/v1/objects/get", wire.encode_ids(chunk),
                                              "application/octet-stream")
             # The server may answer only the first ids (its answers are size-capped).
@@ -260,7 +464,8 @@ class RemoteStore(Store):
                              f"{check_branch(branch)}")
 
     def find_snapshot(self, prefix: str) -> str:
-        return str(self._json("GET", f"/v1/snapshots/{urllib.parse.quote(prefix)}")["id"])
+        from urllib.parse import quote
+        return str(self._json("GET", f"/v1/snapshots/{quote(prefix)}")["id"])
 
     def acquire_lease(self, volume: str, branch: str, ttl: float, holder: str = "") -> Lease:
         r = self._json("POST", f"/v1/volumes/{check_volume(volume)}/lease/acquire",
@@ -299,6 +504,15 @@ class RemoteStore(Store):
         # One id for every attempt of this publish: `request` may send it again
         # after a lost answer, and the store recognises its own work.
         body = wire.encode_publish(changesets, objects, txid=txid or os.urandom(16))
+        got = self._lean_call("publish", body)
+        if got is not _MISS:
+            if not isinstance(got, dict) or not isinstance(got.get("heads"), list):
+                raise InvalidInput("the server's publish answer is malformed")
+            for item in got.get("prefetch") or ():
+                if isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) \
+                        and isinstance(item[1], bytes) and len(item[0]) == 64:
+                    self._prefetched(item[0], item[1])
+            return [str(h) for h in got["heads"]]
         _s, _h, data = self.request("POST", "/v1/publish", body, "application/msgpack")
         reply = json.loads(data)
         for oid, raw64 in reply.get("prefetch") or ():
@@ -333,14 +547,12 @@ class RemoteStore(Store):
         if since:
             query.append(("since", since))
         query += [("head", f"{ref}={sid}") for ref, sid in (heads or {}).items()]
-        path = "/events" + ("?" + urllib.parse.urlencode(query) if query else "")
+        from urllib.parse import urlencode
+        path = "/events" + ("?" + urlencode(query) if query else "")
         hdrs = {"Accept": "text/event-stream"}
         if self.token:
             hdrs["Authorization"] = f"Bearer {self.token}"
-        if self.kind == "unix":
-            conn: http.client.HTTPConnection = _UnixConnection(self.where, self.timeout)
-        else:
-            conn = http.client.HTTPConnection(self.where, self.port, timeout=self.timeout)
+        conn = http_connection(self.kind, self.where, self.port, self.timeout)
         try:
             conn.request("GET", path, headers=hdrs)
             resp = conn.getresponse()
@@ -377,4 +589,5 @@ class RemoteStore(Store):
 
     def close(self) -> None:
         self._drop_conn()
+        self._drop_lean()
 

@@ -25,8 +25,10 @@ from strata.engine.errors import InvalidInput, StrataError, Unavailable
 from strata.engine.local import LocalStore, StoreConfig, read_store_meta
 from strata.memtrim import return_large_buffers_to_the_os
 from strata.server.app import ServerState, make_app
-from strata.server.client import _UnixConnection, default_socket
+from strata.server.client import default_socket, http_connection
+from strata.server.lean import LeanServer
 from strata.server.tokens import TokenStore
+from strata.server.wire import lean_path
 
 GC_INTERVAL = 600.0  # seconds between background garbage collection passes (0: none)
 
@@ -77,8 +79,8 @@ def _bind(spec: str, store_dir: str) -> Listener:
     raise InvalidInput(f"listen address must be unix:PATH or tcp:HOST:PORT, not {spec!r}")
 
 
-def _owner_connection(path: str) -> _UnixConnection | None:
-    conn = _UnixConnection(path, timeout=60.0)
+def _owner_connection(path: str) -> http.client.HTTPConnection | None:
+    conn = http_connection("unix", path, 0, timeout=60.0)
     try:
         conn.connect()
     except OSError:
@@ -108,6 +110,13 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     await runner.setup()
     for lst in listeners:
         await web.SockSite(runner, lst.sock).start()
+    # The lean stream beside the store's own socket (server/lean.py): published,
+    # handed off and removed with the HTTP listeners.
+    lean_listener = _bind(f"unix:{lean_path(own[5:])}", store_dir)
+    lean = LeanServer(state)
+    lean_site = await asyncio.start_unix_server(lean.serve, sock=lean_listener.sock,
+                                                limit=64 * 1024)
+    listeners.append(lean_listener)
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
 
@@ -147,6 +156,8 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
         state.store = await loop.run_in_executor(state.executor,
                                                  lambda: LocalStore(store_dir, cfg))
     except BaseException:
+        lean_site.close()
+        lean.close()
         await _close_listeners(runner, listeners)
         raise
     # Read the tokens again: the previous owner may have created or revoked some
@@ -228,6 +239,8 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     await done.wait()
     for task in tasks:
         task.cancel()
+    lean_site.close()
+    lean.close()
     await _close_listeners(runner, listeners, unlink="handed off" not in result.notes)
     state.executor.shutdown(wait=True)
     return result

@@ -38,6 +38,12 @@ from strata.engine.objects import (
 
 OBJ_HEAD = struct.Struct("<B32sI")
 MAX_BODY = 128 * 1024 * 1024  # a batch of 32 MiB plus one object of up to 64 MiB fits
+LEAN_SUFFIX = ".lean"  # the lean stream's socket is the unix HTTP socket's path + this
+
+
+def lean_path(http_socket: str) -> str:
+    """Where the lean stream (server/lean.py, docs/api.md) listens beside a unix socket."""
+    return http_socket + LEAN_SUFFIX
 MAX_IDS = 1_000_000
 
 

@@ -1,0 +1,187 @@
+"""The lean stream (server/lean.py) against a real `strata serve` process.
+
+The client takes it for object reads and publishes and must get exactly what
+HTTP gives; the server must treat every byte on it as untrusted (hostile
+frames are answered or the connection closed, and the server keeps serving),
+and a client must fall back to HTTP when the stream is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from serverutil import Server  # noqa: E402
+from strata.engine.errors import NotFound  # noqa: E402
+from strata.engine.local import init_store  # noqa: E402
+from strata.engine.txn import Transaction  # noqa: E402
+from strata.server.client import RemoteStore  # noqa: E402
+from strata.server.wire import MAX_BODY, lean_path  # noqa: E402
+
+FRAME = struct.Struct(">I")
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    init_store(str(tmp_path / "store"))
+    srv = Server(tmp_path / "store").start()
+    rs = srv.remote()
+    rs.create_volume("v")
+    rs.close()
+    yield srv
+    srv.stop()
+
+
+def _lean_only(srv: Server) -> RemoteStore:
+    rs = srv.remote(retry_for=2.0)
+    assert rs._lean == lean_path(srv.sock) and os.path.exists(rs._lean)
+    return rs
+
+
+def _http_only(srv: Server) -> RemoteStore:
+    rs = srv.remote(retry_for=2.0)
+    rs._lean = None
+    return rs
+
+
+def _raw(srv: Server, payload: bytes, *, length: int | None = None) -> tuple[int, Any] | None:
+    """Send one frame built here; the decoded answer, or None if the server hung up."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(lean_path(srv.sock))
+        s.sendall(FRAME.pack(len(payload) if length is None else length) + payload)
+        f = s.makefile("rb")
+        head = f.read(4)
+        if len(head) < 4:
+            return None
+        body = f.read(FRAME.unpack(head)[0])
+        status, result = msgpack.unpackb(body, raw=False)
+        return int(status), result
+
+
+def test_lean_and_http_give_the_same_answers(server: Server) -> None:
+    lean, http = _lean_only(server), _http_only(server)
+    name = "caf\udce9 \n\t\"x\\"  # not UTF-8 (a lone byte 0xE9), control characters
+    t = Transaction(lean, "v")
+    t.write(name, os.urandom(200_000))
+    t.write("small", b"hello")
+    head = t.commit()
+    assert http.head("v", "live") == head
+    for store in (lean, http):
+        r = Transaction(store, "v")
+        assert r.read("small") == b"hello"
+        assert r.read(name) == Transaction(http, "v").read(name)
+        assert name in [n for n, _e in r.listdir("")]
+    before = int(http.admin("GET", "stats")["objects_served"])
+    root = lean.snapshot(head).root.ref
+    assert root is not None
+    assert lean.get_objects([root, root]) == http.get_objects([root, root])
+    assert int(http.admin("GET", "stats")["objects_served"]) > before  # it went to the server
+    with pytest.raises(NotFound):
+        lean.get_object(bytes(32))
+    lean.close()
+    http.close()
+
+
+def test_a_retried_publish_on_the_lean_stream_is_not_a_conflict(server: Server) -> None:
+    from strata.engine.interface import ChangeSet
+    from strata.engine.objects import K_FILE, Entry
+    from strata.server import wire
+    lean = _lean_only(server)
+    cs = ChangeSet("v", "live", lean.head("v", "live"),
+                   {"a": Entry(K_FILE, 0o644, size=1, data=b"1")})
+    body = wire.encode_publish([cs], [], txid=b"t" * 16)
+    first = _raw(server, msgpack.packb(["publish", body], use_bin_type=True))
+    again = _raw(server, msgpack.packb(["publish", body], use_bin_type=True))
+    assert first is not None and again is not None
+    assert first[0] == 0 and again[0] == 0
+    assert first[1]["heads"] == again[1]["heads"]  # the second is the first, recognised
+    lean.close()
+
+
+@pytest.mark.parametrize("payload", [
+    b"",                                         # empty frame
+    b"\xc1",                                     # never-used msgpack byte
+    msgpack.packb({"op": "get"}),                # not a list
+    msgpack.packb(["nosuchop"]),
+    msgpack.packb(["get"]),                      # missing argument
+    msgpack.packb(["get", b"short"]),            # not 32 bytes
+    msgpack.packb(["get", "zz" * 32]),           # not hex
+    msgpack.packb(["get_many", [b"x" * 32] * 5000]),  # over the batch limit
+    msgpack.packb(["get_many", "notalist"]),
+    msgpack.packb(["publish", b"\x93\x01\x02\x03"]),  # not a publish map
+    msgpack.packb(["publish", "text, not bytes"]),
+    msgpack.packb([[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]),
+])
+def test_hostile_frames_are_refused_and_the_server_keeps_serving(server: Server,
+                                                                 payload: bytes) -> None:
+    answer = _raw(server, payload)
+    assert answer is not None
+    status, body = answer
+    assert status in (400, 404), (status, body)
+    assert body["error"] in ("InvalidInput", "NotFound")
+    rs = _lean_only(server)
+    assert rs.list_volumes() == ["v"]
+    assert rs.get_object(bytes.fromhex(rs.head("v", "live")))  # the stream still answers
+    rs.close()
+
+
+def test_an_oversized_frame_is_refused_before_its_body(server: Server) -> None:
+    # The length says 1 GiB and no body follows: the answer comes at once (the
+    # server never waits for, nor holds, the body), then the connection closes.
+    answer = _raw(server, b"", length=MAX_BODY + 1)
+    assert answer is not None and answer[0] == 413
+    rs = _lean_only(server)
+    assert rs.list_volumes() == ["v"]
+    rs.close()
+
+
+def test_a_frame_cut_short_leaves_the_server_serving(server: Server) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(lean_path(server.sock))
+        s.sendall(FRAME.pack(1000) + b"\x93" + b"x" * 10)  # then hang up mid-frame
+    rs = _lean_only(server)
+    t = Transaction(rs, "v")
+    t.write("after", b"ok")
+    t.commit()
+    assert Transaction(rs, "v").read("after") == b"ok"
+    rs.close()
+
+
+def test_without_the_lean_socket_the_client_uses_http(server: Server) -> None:
+    os.unlink(lean_path(server.sock))  # as a server from before the lean stream
+    rs = server.remote(retry_for=2.0)
+    t = Transaction(rs, "v")
+    t.write("f", b"x" * 100_000)
+    t.commit()
+    assert Transaction(rs, "v").read("f") == b"x" * 100_000
+    assert rs._lean_after > 0  # it tried once, then stayed on HTTP
+    rs.close()
+
+
+def test_a_publish_larger_than_the_socket_buffer(server: Server) -> None:
+    # A 3 MiB publish body (blocks inline) cannot go in one write of a unix socket:
+    # the client must send it whole and the server read it whole, under its budget.
+    from strata.engine.interface import ChangeSet
+    from strata.engine.objects import BLOCK, FILENODE, K_FILE, Entry, FileNode, object_id
+    lean = _lean_only(server)
+    blocks = [os.urandom(64 * 1024) for _ in range(48)]
+    node = FileNode(48 * 64 * 1024, 64 * 1024, tuple(object_id(BLOCK, b) for b in blocks))
+    raw = node.encode()
+    cs = ChangeSet("v", "live", lean.head("v", "live"),
+                   {"big": Entry(K_FILE, 0o644, size=node.size,
+                                 ref=object_id(FILENODE, raw))})
+    heads = lean.publish([cs], [(BLOCK, b) for b in blocks] + [(FILENODE, raw)])
+    assert getattr(lean._local, "lean", None) is not None and lean._lean_after == 0  # lean
+    assert lean.head("v", "live") == heads[0]
+    assert Transaction(_http_only(server), "v").read("big") == b"".join(blocks)
+    lean.close()

@@ -1,0 +1,140 @@
+"""The CLI's import budget: `strata ls` must not pull in the heavy half of strata.
+
+Every `strata` command pays for what it imports before it does anything, and
+agents call the CLI thousands of times a day. These tests run real processes
+(`python -X importtime -m strata ...` against a real store and its server) and
+fail when the import set of `strata ls` grows past the lists below. Nothing
+here measures time: the budget is the set of modules, which does not vary
+with load.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from strata.cli import main as climain
+
+# Heavy or irrelevant to reading a snapshot: none may be imported by `strata ls`, nor by
+# building the parser of all commands (`strata --help`).
+FORBIDDEN = (
+    "aiohttp", "pyfuse3", "trio", "rich", "lmdb", "obstore", "zstandard", "asyncio",
+    "http.client", "email", "concurrent.futures", "subprocess", "uuid", "urllib.parse",
+    "shutil", "multiprocessing", "ssl", "hashlib",
+    "strata.engine.local", "strata.engine.txn", "strata.engine.journal", "strata.engine.pack",
+    "strata.engine.bucket", "strata.engine.tier", "strata.fsio", "strata.mount",
+    "strata.run", "strata.server.app", "strata.server.serve", "strata.server.events",
+    "strata.server.ui",
+)
+
+# Every strata module `strata ls` may import, and no more.
+LS_STRATA_MODULES = {
+    "strata", "strata.cli", "strata.cli.common", "strata.cli.main", "strata.cli.read",
+    "strata.engine", "strata.engine.errors", "strata.engine.names", "strata.engine.objects",
+    "strata.engine.tree", "strata.engine.interface", "strata.engine.storedir",
+    "strata.server", "strata.server.wire", "strata.server.client",
+}
+
+# All modules, the interpreter's own start-up included (about 117 when this was written).
+LS_MODULE_BUDGET = 130
+
+
+def _env(store: Path) -> dict[str, str]:
+    return {**os.environ, "STRATA_STORE": str(store)}
+
+
+def _imported(args: list[str], env: dict[str, str]) -> tuple[set[str], str]:
+    """The modules a `python -m strata ARGS` process imported, and its stdout."""
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "strata", *args],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    mods = set()
+    for line in p.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            name = line.rsplit("|", 1)[1].strip()
+            if name != "imported package":
+                mods.add(name)
+    assert "strata.cli.main" in mods  # the parse found real lines
+    return mods, p.stdout
+
+
+def _forbidden(mods: set[str]) -> list[str]:
+    return sorted(m for m in mods
+                  if any(m == f or m.startswith(f + ".") for f in FORBIDDEN))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "store"
+    env = _env(path)
+    strata = [sys.executable, "-m", "strata"]
+    subprocess.run([*strata, "init"], env=env, check=True, capture_output=True)
+    subprocess.run([*strata, "volume", "create", "v"], env=env, check=True,
+                   capture_output=True)
+    subprocess.run([*strata, "put", "v", "dir/a.txt"], input=b"hello\n", env=env, check=True,
+                   capture_output=True)
+    yield path
+    subprocess.run([*strata, "serve", "--stop"], env=env, capture_output=True)
+
+
+def test_ls_import_budget(store: Path) -> None:
+    mods, out = _imported(["ls", "v"], _env(store))
+    assert out.split() == ["dir"]
+    assert _forbidden(mods) == []
+    assert {m for m in mods if m.split(".")[0] == "strata"} <= LS_STRATA_MODULES, sorted(
+        {m for m in mods if m.startswith("strata")} - LS_STRATA_MODULES)
+    assert len(mods) <= LS_MODULE_BUDGET, sorted(mods)
+
+
+def test_ls_long_and_subdir_stay_in_budget(store: Path) -> None:
+    mods, out = _imported(["ls", "-l", "v", "dir"], _env(store))
+    assert out.rstrip().endswith(" a.txt")
+    assert _forbidden(mods) == []
+
+
+def test_help_builds_every_parser_without_heavy_imports(store: Path) -> None:
+    mods, out = _imported(["--help"], _env(store))
+    for command in climain.COMMANDS:
+        assert f"    {command} " in out or f"    {command}\n" in out, command
+    assert _forbidden(mods) == []
+    assert "strata.engine.objects" not in mods  # parsing needs no object code
+
+
+def test_command_table_matches_the_modules() -> None:
+    # The lazy parser registers only the module COMMANDS names: the table must agree
+    # with what the modules register, or a command would vanish from its own parse.
+    full = climain.build_parser()
+    sub = next(a for a in full._actions if a.dest == "command")
+    assert set(sub.choices) == set(climain.COMMANDS)  # type: ignore[arg-type]
+    for command, module in climain.COMMANDS.items():
+        assert module in climain.MODULES
+        lazy = climain.build_parser(command)
+        lazy_sub = next(a for a in lazy._actions if a.dest == "command")
+        assert command in lazy_sub.choices  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(("argv", "command"), [
+    (["ls", "v"], "ls"),
+    (["--debug", "ls", "v"], "ls"),
+    (["--store", "/x", "cat", "v", "p"], "cat"),
+    (["--store=/x", "--token", "t", "volume", "list"], "volume"),
+    (["--help"], None),
+    (["--version"], None),
+    (["-x", "ls"], None),
+    ([], None),
+    (["nosuchcommand"], "nosuchcommand"),
+])
+def test_command_of(argv: list[str], command: str | None) -> None:
+    assert climain._command_of(argv) == command
+
+
+def test_unknown_command_still_lists_the_choices(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "strata", "nosuchcommand"], capture_output=True,
+                       text=True, env=_env(tmp_path / "none"), timeout=60)
+    assert p.returncode == 2
+    assert "invalid choice" in p.stderr and "'ls'" in p.stderr

@@ -62,7 +62,9 @@ def start(state: MountState, *, background: bool, watch_pid: int | None = None,
     state.pid = os.getpid()
     state.save()
     store = RemoteStore(state.server or "", state.extra.get("token"))
+    pins = _Pins(store, [(v.volume, v.pinned) for v in state.volumes])
     try:
+        pins.pin()  # garbage collection keeps what the lower view shows while mounted
         # A server on this machine keeps the bytes on this disk already: streamed reads
         # of large files skip the content cache (see mount/readahead.py).
         fs = SnapshotFS([Volume(v.name or v.volume, store, v.pinned) for v in state.volumes],
@@ -75,6 +77,7 @@ def start(state: MountState, *, background: bool, watch_pid: int | None = None,
         if background:
             os._exit(1)
         return str(exc)
+    threading.Thread(target=pins.renew, daemon=True).start()
     if state.extra.get("keepalive"):
         threading.Thread(target=_keep_alive, args=(store, float(state.extra["keepalive"])),
                          daemon=True).start()
@@ -104,9 +107,44 @@ def start(state: MountState, *, background: bool, watch_pid: int | None = None,
         pass
     if _discarding.is_set():
         _discarded.wait(30)
+    pins.release()
     if background:
         os._exit(0)
     return None
+
+
+PIN_TTL = 60.0
+
+
+class _Pins:
+    """The mount's snapshots, pinned through the server and renewed while it runs."""
+
+    def __init__(self, store: RemoteStore, snaps: list[tuple[str, str]]) -> None:
+        self.store = store
+        self.snaps = snaps
+        self.ids: dict[str, list[str]] = {}
+
+    def pin(self) -> None:
+        for volume, sid in self.snaps:
+            self.ids.setdefault(volume, []).extend(self.store.pin(volume, [sid], PIN_TTL))
+
+    def renew(self) -> None:
+        while True:
+            time.sleep(PIN_TTL / 3)
+            try:
+                for volume, ids in list(self.ids.items()):
+                    self.store.renew_pins(volume, ids, PIN_TTL)
+            except StrataError:
+                # Lost (a server restart forgets pins): pin again; a restarted server
+                # deletes nothing for one pin lifetime, which leaves time for this.
+                with contextlib.suppress(StrataError):
+                    self.ids.clear()
+                    self.pin()
+
+    def release(self) -> None:
+        for volume, ids in self.ids.items():
+            with contextlib.suppress(StrataError):
+                self.store.release_pins(volume, ids)
 
 
 def _keep_alive(store: RemoteStore, every: float) -> None:

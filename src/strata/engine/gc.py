@@ -330,7 +330,7 @@ def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> N
         size = store._packs.size(n)
         live_b = live_bytes.get(n, 0)
         if live_b == 0:
-            if n in empty_before and not dry_run and store.pack_deletable(n):
+            if n in empty_before and not dry_run:  # a bucket's copy: see TieredPacks.remove
                 store.remove_pack(n)
                 report.packs_deleted.append(n)
                 report.bytes_reclaimed += size

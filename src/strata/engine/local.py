@@ -281,13 +281,15 @@ class LocalStore(Store):
                               "garbage collection removed it)")
             raise no_object(oid)
         frame = self._packs.pread(loc[0], loc[2], loc[1])
-        name = self._packs.label(loc[0])
-        kind, stored_id, raw = packfmt.decode_object(frame, self._packs.info(loc[0]).sync,
-                                                     name, loc[1])
-        if stored_id != oid:
-            raise Corrupt(name, loc[1], f"index points at {stored_id.hex()}, not {oid.hex()}")
-        if self._packs.verify_reads(loc[0]) and object_id(kind, raw) != oid:
-            raise Corrupt(name, loc[1], f"object {oid.hex()} does not hash to its id")
+        try:
+            kind, stored_id, raw = packfmt.decode_object(
+                frame, self._packs.info(loc[0]).sync, packfmt.pack_name(loc[0]), loc[1])
+            if stored_id != oid:
+                raise Corrupt("", loc[1], f"index points at {stored_id.hex()}, not {oid.hex()}")
+            if self._packs.verify_reads(loc[0]) and object_id(kind, raw) != oid:
+                raise Corrupt("", loc[1], f"object {oid.hex()} does not hash to its id")
+        except Corrupt as exc:  # named by where the bytes came from (only when it fails)
+            raise Corrupt(self._packs.label(loc[0]), loc[1], exc.detail) from None
         return raw
 
     def reachable(self, volume: str, oids: Sequence[bytes]) -> list[bool]:
@@ -808,9 +810,6 @@ class LocalStore(Store):
         self.index.forget_objects(oids, expired)
         self.node_cache.clear()
         self._snap_cache.clear()
-
-    def pack_deletable(self, number: int) -> bool:
-        return self._tier is None or self._tier.deletable(number)
 
     def remove_pack(self, number: int) -> None:
         """Delete an empty sealed pack, once the whole ref state is in the journal.

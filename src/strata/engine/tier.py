@@ -689,9 +689,6 @@ class TieredPacks(PackStore):
         """Whether the local index holds every object (after a restore it comes lazily)."""
         return self._run is None
 
-    def deletable(self, number: int) -> bool:
-        return True  # the bucket's copy is deleted later, by the rule in `remove`
-
     def _delete_doomed(self) -> None:
         with self._lock:
             done = self._cp_done

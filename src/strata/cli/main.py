@@ -26,7 +26,7 @@ from strata.engine.errors import Conflict, StrataError
 # Which module registers each top-level command (tests/test_cli_imports.py checks
 # that this table and the modules agree).
 MODULES = ("admin", "volumes", "branches", "lifecycle", "read", "write", "serve", "mount",
-           "run", "watch")
+           "run", "watch", "workspace")
 COMMANDS = {
     "init": "admin", "restore": "admin", "stats": "admin", "fsck": "admin",
     "volume": "volumes", "branch": "branches", "fork": "branches",
@@ -35,7 +35,7 @@ COMMANDS = {
     "put": "write", "rm": "write", "import": "write", "export": "write",
     "serve": "serve", "token": "serve",
     "mount": "mount", "commit": "mount", "status": "mount", "unmount": "mount",
-    "run": "run", "watch": "watch", "ui": "watch",
+    "run": "run", "watch": "watch", "ui": "watch", "workspace": "workspace",
 }
 
 EPILOG = """\

@@ -217,8 +217,13 @@ class Store(ABC):
     # -- leases ----------------------------------------------------------------
 
     @abstractmethod
-    def acquire_lease(self, volume: str, branch: str, ttl: float, holder: str = "") -> Lease:
-        """Take the branch's lease for `ttl` seconds; `Unavailable` while another holds it."""
+    def acquire_lease(self, volume: str, branch: str, ttl: float, holder: str = "", *,
+                      steal: bool = False) -> Lease:
+        """Take the branch's lease for `ttl` seconds; `Unavailable` while another holds it.
+
+        With `steal`, take it even from a live holder: the fencing number grows, so
+        every later renew and publish of the earlier holder is refused (fenced).
+        """
 
     @abstractmethod
     def renew_lease(self, volume: str, branch: str, lease: str, ttl: float) -> Lease:

@@ -429,7 +429,8 @@ class LocalStore(Store):
 
     # -- leases ------------------------------------------------------------------------
 
-    def acquire_lease(self, volume: str, branch: str, ttl: float, holder: str = "") -> Lease:
+    def acquire_lease(self, volume: str, branch: str, ttl: float, holder: str = "", *,
+                      steal: bool = False) -> Lease:
         check_volume(volume)
         check_branch(branch)
         _check_ttl(ttl)
@@ -438,7 +439,7 @@ class LocalStore(Store):
                 raise NotFound(f"no branch {branch!r} in volume {volume!r}")
             now = time.time_ns()
             cur = self._refs.leases.get((volume, branch))
-            if cur is not None and cur.expires_ns > now:
+            if cur is not None and cur.expires_ns > now and not steal:
                 wait = (cur.expires_ns - now) / 1e9
                 raise Locked(f"{volume}@{branch} is leased (fencing token {cur.fencing}) "
                                   f"for {wait:.1f}s more", retry_after=min(wait, 5.0))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import socket
 import time
@@ -645,7 +646,9 @@ async def lease(request: web.Request) -> web.Response:
     if action == "acquire":
         ttl = float(_field(body, "ttl", (int, float)))
         holder = _field(body, "holder", str, optional=True) or ""
-        got = await state.run(store.acquire_lease, volume, branch, ttl, holder)
+        steal = bool(_field(body, "steal", bool, optional=True))
+        got = await state.run(functools.partial(store.acquire_lease, steal=steal),
+                              volume, branch, ttl, holder)
     elif action == "renew":
         got = await state.run(store.renew_lease, volume, branch,
                               _field(body, "lease", str),

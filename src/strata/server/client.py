@@ -467,9 +467,12 @@ class RemoteStore(Store):
         from urllib.parse import quote
         return str(self._json("GET", f"/v1/snapshots/{quote(prefix)}")["id"])
 
-    def acquire_lease(self, volume: str, branch: str, ttl: float, holder: str = "") -> Lease:
-        r = self._json("POST", f"/v1/volumes/{check_volume(volume)}/lease/acquire",
-                       {"branch": branch, "ttl": ttl, "holder": holder})
+    def acquire_lease(self, volume: str, branch: str, ttl: float, holder: str = "", *,
+                      steal: bool = False) -> Lease:
+        body: dict[str, Any] = {"branch": branch, "ttl": ttl, "holder": holder}
+        if steal:
+            body["steal"] = True
+        r = self._json("POST", f"/v1/volumes/{check_volume(volume)}/lease/acquire", body)
         return Lease(int(r["fencing"]), int(r["expires_ns"]), str(r.get("holder", "")),
                      id=str(r["lease"]))
 

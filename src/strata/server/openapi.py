@@ -189,7 +189,8 @@ OPENAPI: dict[str, Any] = {
                                             "ttl": {"type": "number", "minimum": 0.1,
                                                     "maximum": 86400},
                                             "lease": {"type": "string"},
-                                            "holder": {"type": "string"}}, ["branch"])),
+                                            "holder": {"type": "string"},
+                                            "steal": {"type": "boolean"}}, ["branch"])),
             "responses": {**_with_links(_ok({"oneOf": [
                               {"$ref": "#/components/schemas/Lease"},
                               _obj({"released": {"type": "boolean"}}, ["released"])]}),

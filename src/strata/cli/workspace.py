@@ -1,0 +1,160 @@
+"""Durable workspaces: `strata workspace create|attach|detach|snapshot|fork|list|log`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from strata.cli.common import (
+    fmt_time,
+    open_remote,
+    open_store,
+    parse_ref,
+    parse_size,
+    print_json,
+    server_url,
+    short,
+    store_path,
+)
+from strata.engine.errors import InvalidInput
+from strata.engine.names import check_branch
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    ws = sub.add_parser("workspace", parents=[common],
+                        help="durable workspaces: a filesystem whose fsync survives the host")
+    wsub = ws.add_subparsers(dest="workspace_command", metavar="ACTION", required=True)
+
+    p = wsub.add_parser("create", parents=[common], help="a new, empty workspace")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--size", type=parse_size, default=20 << 30, metavar="BYTES",
+                   help="device size (default 20G); never-written space costs nothing")
+    p.set_defaults(func=cmd_create)
+
+    p = wsub.add_parser("attach", parents=[common],
+                        help="mount NAME[@BRANCH] on DIR, fencing any earlier holder")
+    p.add_argument("name", metavar="NAME[@BRANCH]")
+    p.add_argument("dir", metavar="DIR")
+    p.set_defaults(func=cmd_attach)
+
+    p = wsub.add_parser("detach", parents=[common], help="flush, unmount and let go")
+    p.add_argument("dir", metavar="DIR")
+    p.set_defaults(func=cmd_detach)
+
+    p = wsub.add_parser("snapshot", parents=[common], help="a named point in the log")
+    p.add_argument("name", metavar="NAME[@BRANCH]")
+    p.add_argument("-m", "--message", default="snapshot")
+    p.set_defaults(func=cmd_snapshot)
+
+    p = wsub.add_parser("fork", parents=[common],
+                        help="NAME@NEW: a new branch of the workspace, in constant time")
+    p.add_argument("name", metavar="NAME[@BRANCH|#SNAPSHOT]")
+    p.add_argument("new", metavar="NEW")
+    p.set_defaults(func=cmd_fork)
+
+    p = wsub.add_parser("list", parents=[common], help="workspaces, and where attached here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_list)
+
+    p = wsub.add_parser("log", parents=[common],
+                        help="named snapshots (and, with --all, every flush)")
+    p.add_argument("name", metavar="NAME[@BRANCH]")
+    p.add_argument("--all", action="store_true", help="every flush, not only named snapshots")
+    p.add_argument("-n", type=int, default=50, metavar="N")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_log)
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    from strata.workspace.attach import create
+    from strata.workspace.device import Layout
+    size = -(-args.size // (1 << 20)) << 20  # whole extents
+    with open_store(args) as store:
+        head = create(store, args.name, Layout(size=size))
+    print(head)
+    return 0
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    from strata.workspace.attach import attach
+    ref = parse_ref(args.name)
+    if ref.snapshot:
+        raise InvalidInput("attach a branch; fork a snapshot first to attach it")
+    url = server_url(args)
+    token = getattr(args, "token", None)
+    if url is None:
+        from strata.cli.common import ensure_server
+        url = "unix:" + ensure_server(store_path(args))
+    att = attach(url, token, ref.volume, ref.branch or "live", args.dir)
+    print(f"attached {ref.volume}@{att.branch} at {att.dir}")
+    return 0
+
+
+def cmd_detach(args: argparse.Namespace) -> int:
+    from strata.workspace.attach import detach
+    detach(args.dir)
+    return 0
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from strata.workspace.attach import snapshot
+    ref = parse_ref(args.name)
+    with open_store(args) as store:
+        print(snapshot(store, ref.volume, ref.branch or "live", args.message))
+    return 0
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    from strata.workspace.attach import read_layout
+    ref = parse_ref(args.name)
+    new = args.new.split("@", 1)[1] if args.new.startswith(ref.volume + "@") else args.new
+    check_branch(new)
+    with open_store(args) as store:
+        at = ref.resolve(store)
+        read_layout(store, at)
+        print(store.fork(ref.volume, new, at=at))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from strata.workspace.attach import attached, read_layout
+    here = {(a.volume, a.branch): a.dir for a in attached()}
+    rows: list[dict[str, Any]] = []
+    with open_remote(args) as store:
+        for vol in store.list_volumes():
+            branches = store.list_branches(vol)
+            try:
+                layout = read_layout(store, branches.get("live") or next(iter(branches.values())))
+            except (InvalidInput, StopIteration):
+                continue
+            except Exception:  # noqa: BLE001 - a volume we cannot read is not listed
+                continue
+            for br, head in sorted(branches.items()):
+                rows.append({"workspace": f"{vol}@{br}", "size": layout.size, "head": head,
+                             "attached": here.get((vol, br))})
+    if args.json:
+        print_json(rows)
+    else:
+        for r in rows:
+            print(f"{r['workspace']}\t{r['size'] >> 30}G\t{short(r['head'])}\t"
+                  f"{r['attached'] or '-'}")
+    return 0
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    ref = parse_ref(args.name)
+    with open_store(args) as store:
+        head = ref.resolve(store)
+        out = []
+        for info in store.log(head, None if not args.all else args.n):
+            kind = info.meta.get("workspace")
+            if args.all or kind in ("snapshot", "create"):
+                out.append(info)
+            if len(out) >= args.n:
+                break
+    if args.json:
+        print_json([i.to_json() for i in out])
+    else:
+        for i in out:
+            print(f"{short(i.id)}  {fmt_time(i.time_ns)}  {i.message}")
+    return 0

@@ -1,0 +1,386 @@
+"""Workspaces: create, attach, detach, snapshot; the attach daemon.
+
+`attach` forks a daemon that steals the workspace branch's lease (fencing
+any earlier holder), serves the device file over FUSE in a private
+directory, puts a loop device on it and mounts the filesystem on the
+caller's directory. The daemon renews the lease while it runs, writes dirty
+blocks back in the background, and answers the snapshot requests of
+`strata workspace snapshot` on a unix socket in its state directory.
+
+State lives in /run/strata/workspaces/<hash of the directory>/ (`state.json`,
+`dev/` the FUSE directory, `ctl` the socket, `daemon.log`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from strata.engine.errors import Forbidden, InvalidInput, NotFound, StrataError
+from strata.engine.interface import ChangeSet, Store
+from strata.engine.objects import K_FILE, Entry, FileNode
+from strata.engine.tree import Trees
+from strata.workspace.device import (
+    LAYOUT_PATH,
+    SNAPSHOT_PATH,
+    Device,
+    DeviceError,
+    Layout,
+    snapshot_entry,
+    written_extents,
+)
+
+STATE_ROOT = os.environ.get("STRATA_WORKSPACE_STATE", "/run/strata/workspaces")
+LEASE_TTL = 30.0
+FLUSH_DIRTY = 64 << 20     # write back in the background once this much is dirty
+FLUSH_AGE = 5.0            # ... or once something has been dirty this long
+FIFREEZE = 0xC0045877
+FITHAW = 0xC0045878
+MKFS = ["mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1"]
+MOUNT_OPTIONS = "noatime"
+
+
+@dataclass
+class Attached:
+    """What `detach` and `snapshot` need to find an attached workspace's daemon."""
+
+    volume: str
+    branch: str
+    dir: str
+    server: str
+    token: str | None = None
+    pid: int = 0
+    loop: str = ""
+
+    @property
+    def state_dir(self) -> str:
+        return state_dir_for(self.dir)
+
+    def save(self) -> None:
+        path = os.path.join(self.state_dir, "state.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(asdict(self), f)
+        os.replace(path + ".tmp", path)
+
+    @classmethod
+    def load(cls, directory: str) -> Attached:
+        try:
+            with open(os.path.join(state_dir_for(directory), "state.json")) as f:
+                return cls(**json.load(f))
+        except FileNotFoundError:
+            raise NotFound(f"no workspace is attached at {directory}") from None
+        except (ValueError, TypeError) as exc:
+            raise InvalidInput(f"the attach state of {directory} is damaged: {exc}") from None
+
+
+def state_dir_for(directory: str) -> str:
+    real = os.path.realpath(directory)
+    return os.path.join(STATE_ROOT, hashlib.sha256(os.fsencode(real)).hexdigest()[:16])
+
+
+def attached() -> list[Attached]:
+    """Every workspace attached on this machine (in this mount namespace's view)."""
+    out = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in sorted(os.listdir(STATE_ROOT)):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                with open(os.path.join(STATE_ROOT, name, "state.json")) as f:
+                    out.append(Attached(**json.load(f)))
+    return out
+
+
+# -- the workspace in the store --------------------------------------------------------
+
+def create(store: Store, volume: str, layout: Layout) -> str:
+    """A new volume holding an empty (never written) device; returns its head."""
+    store.create_volume(volume)
+    head = store.head(volume, "live")
+    raw = layout.encode()
+    return store.publish([ChangeSet(volume, "live", head, {
+        LAYOUT_PATH: Entry(kind=K_FILE, mode=0o644, size=len(raw), data=raw)},
+        "create workspace", {"workspace": "create"})])[0]
+
+
+def read_layout(store: Store, sid: str) -> Layout:
+    e = Trees(store).resolve(store.snapshot(sid).root, [LAYOUT_PATH])
+    if e is None or e.kind != K_FILE:
+        raise InvalidInput("this volume is not a workspace (it has no workspace.json)")
+    if e.data is not None:
+        raw = e.data
+    elif e.ref is not None and e.size <= 4096:
+        raw = FileNode.decode(store.get_object(e.ref)).read(0, e.size, store.get_object)
+    else:
+        raise InvalidInput("workspace.json is not a workspace layout")
+    return Layout.decode(raw)
+
+
+# -- the daemon --------------------------------------------------------------------------
+
+class Daemon:
+    def __init__(self, store: Store, att: Attached) -> None:
+        self.store = store
+        self.att = att
+        self.devdir = os.path.join(att.state_dir, "dev")
+        self.stopping = threading.Event()
+        self.device: Device | None = None
+        self.lease = ""
+
+    def open(self) -> bool:
+        """Take the lease (fencing any earlier holder) and map the head; True if fresh."""
+        a = self.att
+        holder = f"{socket.gethostname()} pid {os.getpid()}"
+        self.lease = self.store.acquire_lease(a.volume, a.branch, LEASE_TTL, holder,
+                                              steal=True).id
+        head = self.store.head(a.volume, a.branch)
+        layout = read_layout(self.store, head)
+        self.device = Device(self.store, a.volume, a.branch, head, layout, lease=self.lease)
+        root = self.store.snapshot(head).root
+        return next(iter(written_extents(Trees(self.store), root)), None) is None
+
+    def renew(self) -> None:
+        dev = self.device
+        assert dev is not None
+        while not self.stopping.wait(LEASE_TTL / 4):
+            try:
+                self.store.renew_lease(self.att.volume, self.att.branch, self.lease, LEASE_TTL)
+            except Forbidden as exc:
+                dev.fenced = f"this host no longer holds the workspace's lease: {exc}"
+                print(f"strata workspace: fenced: {exc}", flush=True)
+                return
+            except StrataError as exc:
+                print(f"strata workspace: lease renewal failed, retrying: {exc}", flush=True)
+
+    def write_back(self) -> None:
+        dev = self.device
+        assert dev is not None
+        since: float | None = None
+        while not self.stopping.wait(0.25):
+            if dev.fenced:
+                return
+            if dev.dirty_bytes == 0:
+                since = None
+                continue
+            since = since or time.monotonic()
+            if dev.dirty_bytes >= FLUSH_DIRTY or time.monotonic() - since >= FLUSH_AGE:
+                try:
+                    dev.flush()
+                    since = None
+                except StrataError as exc:
+                    print(f"strata workspace: background write-back failed: {exc}", flush=True)
+
+    def control(self, sock: socket.socket) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rwb") as f:
+            try:
+                req = json.loads(f.readline(65536))
+                if not isinstance(req, dict) or req.get("op") != "snapshot":
+                    raise InvalidInput("unknown request")
+                head = self.snapshot(str(req.get("message") or "snapshot"))
+                reply: dict[str, Any] = {"ok": True, "head": head}
+            except (StrataError, OSError, ValueError) as exc:
+                reply = {"ok": False, "error": str(exc)}
+            f.write(json.dumps(reply).encode() + b"\n")
+
+    def snapshot(self, message: str) -> str:
+        """Freeze the filesystem (clean on the device), publish a named snapshot, thaw."""
+        dev = self.device
+        assert dev is not None
+        fd = os.open(self.att.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.ioctl(fd, FIFREEZE, 0)
+            try:
+                return dev.flush(message)
+            finally:
+                fcntl.ioctl(fd, FITHAW, 0)
+        finally:
+            os.close(fd)
+
+
+def _mount_fs(daemon: Daemon, fresh: bool) -> None:
+    from strata.workspace import loop
+    dev, lfd = loop.attach(os.path.join(daemon.devdir, "disk"))
+    try:
+        daemon.att.loop = dev
+        daemon.att.save()
+        if fresh:
+            subprocess.run([*MKFS, dev], check=True, capture_output=True)
+        p = subprocess.run(["mount", "-t", "ext4", "-o", MOUNT_OPTIONS, dev, daemon.att.dir],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            raise DeviceError(f"mount failed: {p.stderr.strip()}")
+    finally:
+        os.close(lfd)  # the mount holds the loop device now; autoclear ends it with it
+
+
+def run_daemon(att: Attached, report: int | None) -> int:
+    """Serve the workspace until detached; write "ok" or an error to `report`."""
+    from strata.server.client import RemoteStore
+    from strata.workspace import fuse
+
+    def tell(msg: bytes) -> None:
+        nonlocal report
+        if report is not None:
+            os.write(report, msg)
+            os.close(report)
+            report = None
+
+    store = RemoteStore(att.server, att.token)
+    daemon = Daemon(store, att)
+    os.makedirs(daemon.devdir, exist_ok=True)
+    try:
+        fresh = daemon.open()
+    except StrataError as exc:
+        tell(str(exc).encode())
+        return 1
+    att.pid = os.getpid()
+    att.save()
+    ctl_path = os.path.join(att.state_dir, "ctl")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(ctl_path)
+    ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ctl.bind(ctl_path)
+    ctl.listen(8)
+    for target, args in ((daemon.renew, ()), (daemon.write_back, ()), (daemon.control, (ctl,))):
+        threading.Thread(target=target, args=args, daemon=True).start()
+
+    def up() -> None:
+        try:
+            _mount_fs(daemon, fresh)
+        except (OSError, subprocess.CalledProcessError, StrataError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            tell(f"{exc} {detail.decode(errors='replace') if isinstance(detail, bytes) else detail}"
+                 .strip().encode())
+            subprocess.run(["fusermount3", "-uz", daemon.devdir], capture_output=True)
+            return
+        tell(b"ok")
+
+    assert daemon.device is not None
+    try:
+        fuse.serve(daemon.device, daemon.devdir,
+                   on_ready=lambda: threading.Thread(target=up, daemon=True).start())
+    finally:
+        daemon.stopping.set()
+        ctl.close()
+        dev = daemon.device
+        with contextlib.suppress(StrataError):
+            if not dev.fenced:
+                dev.flush()
+                store.release_lease(att.volume, att.branch, daemon.lease)
+    return 0
+
+
+def attach(server: str, token: str | None, volume: str, branch: str, directory: str) -> Attached:
+    """Attach in a detached daemon; return once mounted (or raise its error)."""
+    directory = os.path.realpath(directory)
+    if not os.path.isdir(directory):
+        raise InvalidInput(f"{directory} is not a directory")
+    if os.path.ismount(directory):
+        raise InvalidInput(f"something is mounted on {directory} already")
+    att = Attached(volume, branch, directory, server, token)
+    with contextlib.suppress(FileNotFoundError):
+        if json.load(open(os.path.join(att.state_dir, "state.json"))).get("pid"):
+            old = Attached.load(directory)
+            if _alive(old.pid):
+                raise InvalidInput(f"{directory} has a workspace attached (pid {old.pid})")
+    shutil.rmtree(att.state_dir, ignore_errors=True)
+    os.makedirs(att.state_dir, mode=0o700)
+    att.save()
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(wfd)
+        msg = b""
+        while chunk := os.read(rfd, 4096):
+            msg += chunk
+        os.close(rfd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        if msg != b"ok":
+            shutil.rmtree(att.state_dir, ignore_errors=True)
+            why = msg.decode(errors="replace") or "the daemon died"
+            raise InvalidInput(f"attach failed: {why}")
+        return Attached.load(directory)
+    os.close(rfd)
+    code = 1
+    try:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        log = os.open(os.path.join(att.state_dir, "daemon.log"),
+                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        sys.stdout = os.fdopen(1, "w", buffering=1)
+        code = run_daemon(att, wfd)
+    except BaseException as exc:  # noqa: BLE001 - report anything, then go
+        with contextlib.suppress(OSError):
+            os.write(wfd, f"{type(exc).__name__}: {exc}".encode())
+    finally:
+        os._exit(code)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def detach(directory: str, *, timeout: float = 60.0) -> None:
+    """Unmount (which flushes), let the daemon publish and release the lease, wait."""
+    att = Attached.load(directory)
+    p = subprocess.run(["umount", att.dir], capture_output=True, text=True)
+    if p.returncode != 0 and os.path.ismount(att.dir):
+        raise InvalidInput(f"cannot detach {att.dir}: {p.stderr.strip()}")
+    devdir = os.path.join(att.state_dir, "dev")
+    deadline = time.monotonic() + timeout
+    while True:  # the loop device lets go of the FUSE file once autoclear has run
+        q = subprocess.run(["fusermount3", "-u", devdir], capture_output=True)
+        if q.returncode == 0 or not os.path.ismount(devdir):
+            break
+        if time.monotonic() > deadline:
+            raise InvalidInput(f"the device of {att.dir} stays busy")
+        time.sleep(0.05)
+    while att.pid and _alive(att.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    shutil.rmtree(att.state_dir, ignore_errors=True)
+
+
+def snapshot(store: Store, volume: str, branch: str, message: str) -> str:
+    """A named snapshot: through the daemon when attached here, else of the head."""
+    for att in attached():
+        if (att.volume, att.branch) == (volume, branch) and _alive(att.pid):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(os.path.join(att.state_dir, "ctl"))
+                s.sendall(json.dumps({"op": "snapshot", "message": message}).encode() + b"\n")
+                reply = json.loads(s.makefile("rb").readline(65536))
+            if not reply.get("ok"):
+                raise InvalidInput(f"snapshot failed: {reply.get('error')}")
+            return str(reply["head"])
+    head = store.head(volume, branch)
+    read_layout(store, head)
+    return store.publish([ChangeSet(volume, branch, head, {SNAPSHOT_PATH: snapshot_entry(message)},
+                                    message, {"workspace": "snapshot"})])[0]

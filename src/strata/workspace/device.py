@@ -1,0 +1,389 @@
+"""A workspace's block device, kept in a strata volume.
+
+The device is cut into extents (`Layout.extent` bytes, 1 MiB by default), and
+each extent that was ever written is one file of the volume, `disk/%08x`,
+whose blocks are the device's blocks (holes where nothing was written, or only
+zeros). Everything else falls out of the engine: a snapshot is the block map
+at one moment, copy-on-write trees make a flush cost what it changed, a fork
+is a branch, blocks are deduplicated and compressed, GC and the bucket tier
+apply as to any volume.
+
+`Device` is the block layer the FUSE adapter serves: reads fetch blocks
+lazily, writes stay in memory, and `flush` publishes every dirty block under
+the workspace's writer lease and returns only when the store holds it
+durably. A flush is a device FLUSH: what was written before it is durable
+after it, which is all a journaling filesystem on top asks of a disk. Once a
+publish is refused because another host took the lease (fenced), the device
+fails every later write and flush: nothing of this host reaches the
+workspace again.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from strata.engine.errors import Forbidden, StrataError
+from strata.engine.interface import ChangeSet, Store
+from strata.engine.objects import (
+    BLOCK,
+    FILENODE,
+    K_DIR,
+    K_FILE,
+    ZERO_ID,
+    Entry,
+    FileNode,
+    object_id,
+)
+from strata.engine.tree import Trees
+
+LAYOUT_PATH = "workspace.json"
+SNAPSHOT_PATH = "snapshot.json"   # the message of the last named snapshot
+DISK_DIR = "disk"
+LAYOUT_VERSION = 1
+UPLOAD_BATCH = 8 << 20     # bytes of blocks sent ahead of a large flush per request
+
+
+class DeviceError(StrataError):
+    """The device cannot serve this request (fenced, store unreachable, bad layout)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The shape of a workspace device, kept in `workspace.json` at the volume root."""
+
+    size: int
+    block: int = 64 * 1024
+    extent: int = 1 << 20
+    fs: str = "ext4"
+
+    def __post_init__(self) -> None:
+        if self.block <= 0 or self.block & (self.block - 1) or not 4096 <= self.block <= 1 << 20:
+            raise DeviceError(f"block size {self.block} is not a power of two in 4 KiB..1 MiB")
+        if self.extent % self.block or not self.block <= self.extent <= 64 << 20:
+            raise DeviceError(f"extent size {self.extent} is not a multiple of the block size")
+        if self.size <= 0 or self.size % self.extent or self.size > 1 << 50:
+            raise DeviceError(f"device size {self.size} is not a positive multiple of "
+                              f"{self.extent} bytes (at most 1 PiB)")
+
+    @property
+    def per_extent(self) -> int:
+        return self.extent // self.block
+
+    def encode(self) -> bytes:
+        return json.dumps({"format": LAYOUT_VERSION, "size": self.size, "block": self.block,
+                           "extent": self.extent, "fs": self.fs}, sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Layout:
+        try:
+            v = json.loads(raw)
+        except ValueError:
+            raise DeviceError("workspace.json is not JSON: not a workspace") from None
+        if not isinstance(v, dict) or v.get("format") != LAYOUT_VERSION:
+            fmt = v.get("format") if isinstance(v, dict) else None
+            raise DeviceError(f"workspace layout format {fmt!r} is not one this strata "
+                              f"reads (it reads {LAYOUT_VERSION})")
+        try:
+            return cls(size=int(v["size"]), block=int(v["block"]), extent=int(v["extent"]),
+                       fs=str(v["fs"]))
+        except (KeyError, TypeError, ValueError):
+            raise DeviceError("workspace.json lacks a field: not a workspace") from None
+
+
+def extent_path(index: int) -> str:
+    return f"{DISK_DIR}/{index:08x}"
+
+
+def trim_zeros(block: bytes) -> bytes:
+    """A block without its trailing zeros (stored blocks are zero-padded on read)."""
+    return block.rstrip(b"\0")
+
+
+class Device:
+    """The block map of one workspace branch, served lazily, written back on flush."""
+
+    def __init__(self, store: Store, volume: str, branch: str, head: str, layout: Layout,
+                 *, lease: str | None = None, cache_bytes: int = 256 << 20) -> None:
+        self.store = store
+        self.volume = volume
+        self.branch = branch
+        self.head = head
+        self.layout = layout
+        self.lease = lease
+        self._trees = Trees(store)
+        self._root = store.snapshot(head).root
+        self._lock = threading.Lock()          # guards every map below
+        self._flush_lock = threading.Lock()    # one flush at a time; later ones wait
+        self._extents: dict[int, tuple[bytes, ...]] = {}   # published block ids, by extent
+        self._clean: OrderedDict[int, bytes] = OrderedDict()
+        self._clean_bytes = 0
+        self._cache_bytes = cache_bytes
+        self._dirty: dict[int, bytes] = {}       # block index -> new content (b"" = zeros)
+        self._flushing: dict[int, bytes] = {}    # being published now
+        self._dirty_bytes = 0
+        self._writes = 0                         # counts writes, for read-modify-write
+        self.fenced: str | None = None           # why writes are refused, once fenced
+        self.flushes = 0
+
+    # -- reading ---------------------------------------------------------------------
+
+    def _extent_ids(self, x: int) -> tuple[bytes, ...]:
+        ids = self._extents.get(x)
+        if ids is not None:
+            return ids
+        e = self._trees.resolve(self._root, [DISK_DIR, f"{x:08x}"])
+        if e is None:
+            ids = (ZERO_ID,) * self.layout.per_extent
+        else:
+            if e.kind != K_FILE or e.ref is None:
+                raise DeviceError(f"{extent_path(x)} is not an extent file")
+            node = FileNode.decode(self.store.get_object(e.ref))
+            if node.block_size != self.layout.block or len(node.blocks) != self.layout.per_extent:
+                raise DeviceError(f"{extent_path(x)} does not match the workspace layout")
+            ids = node.blocks
+        with self._lock:
+            return self._extents.setdefault(x, ids)
+
+    def _pending(self, i: int) -> bytes | None:
+        """Unpublished or cached content of block `i` (caller holds the lock)."""
+        data = self._dirty.get(i)
+        if data is None:
+            data = self._flushing.get(i)
+        if data is None:
+            data = self._clean.get(i)
+            if data is not None:
+                self._clean.move_to_end(i)
+        return data
+
+    def _fetch(self, i: int) -> bytes:
+        """Block `i` as published: from the cache or the store, zeros for a hole."""
+        bs = self.layout.block
+        x, k = divmod(i, self.layout.per_extent)
+        oid = self._extent_ids(x)[k]
+        if oid == ZERO_ID:
+            return b""
+        raw = self.store.get_object(oid)
+        if len(raw) > bs:
+            raise DeviceError(f"block {oid.hex()} of {extent_path(x)} is longer than a block")
+        with self._lock:
+            if i not in self._clean:
+                self._remember(i, raw)
+        return raw
+
+    def _remember(self, i: int, data: bytes) -> None:
+        old = self._clean.pop(i, None)
+        if old is not None:
+            self._clean_bytes -= len(old)
+        self._clean[i] = data
+        self._clean_bytes += len(data)
+        while self._clean_bytes > self._cache_bytes and self._clean:
+            _j, gone = self._clean.popitem(last=False)
+            self._clean_bytes -= len(gone)
+
+    def _block(self, i: int) -> bytes:
+        with self._lock:
+            data = self._pending(i)
+        return self._fetch(i) if data is None else data
+
+    def read(self, offset: int, size: int) -> bytes:
+        """`size` bytes at `offset` (short at the end of the device)."""
+        end = min(offset + size, self.layout.size)
+        bs = self.layout.block
+        out = []
+        pos = offset
+        while pos < end:
+            i, lo = divmod(pos, bs)
+            n = min(bs - lo, end - pos)
+            data = self._block(i)[lo:lo + n]
+            out.append(data + bytes(n - len(data)) if len(data) < n else data)
+            pos += n
+        return b"".join(out)
+
+    # -- writing ---------------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        if self.fenced is not None:
+            raise DeviceError(self.fenced)
+
+    def write(self, offset: int, data: bytes) -> int:
+        """Write `data` at `offset` into memory; `flush` makes it durable."""
+        self._check_writable()
+        if offset < 0 or offset + len(data) > self.layout.size:
+            raise DeviceError("write past the end of the device")
+        bs = self.layout.block
+        view = memoryview(data)
+        pos = 0
+        while pos < len(data):
+            i, lo = divmod(offset + pos, bs)
+            n = min(bs - lo, len(data) - pos)
+            piece = view[pos:pos + n]
+            if n == bs:
+                self._set(i, trim_zeros(bytes(piece)))
+            else:
+                self._patch(i, lo, piece)
+            pos += n
+        return len(data)
+
+    def _set(self, i: int, content: bytes) -> None:
+        with self._lock:
+            self._store_dirty(i, content)
+
+    def _store_dirty(self, i: int, content: bytes) -> None:
+        old = self._dirty.get(i)
+        self._dirty_bytes += len(content) - (len(old) if old is not None else 0)
+        self._dirty[i] = content
+        self._writes += 1
+
+    def _patch(self, i: int, lo: int, piece: memoryview) -> None:
+        fetched: bytes | None = None
+        seen = -1
+        while True:
+            with self._lock:
+                base = self._pending(i)
+                if base is None and self._writes == seen:
+                    base = fetched  # nothing was written since we fetched it
+                if base is not None:
+                    buf = bytearray(base)
+                    if len(buf) < lo + len(piece):
+                        buf.extend(bytes(lo + len(piece) - len(buf)))
+                    buf[lo:lo + len(piece)] = piece
+                    self._store_dirty(i, trim_zeros(bytes(buf)))
+                    return
+                seen = self._writes
+            fetched = self._fetch(i)  # outside the lock; then patch what is current
+
+    def punch(self, offset: int, size: int) -> None:
+        """Make [offset, offset+size) read as zeros: whole blocks become holes."""
+        self._check_writable()
+        bs = self.layout.block
+        end = min(offset + size, self.layout.size)
+        pos = offset
+        while pos < end:
+            i, lo = divmod(pos, bs)
+            n = min(bs - lo, end - pos)
+            if n == bs:
+                self._set(i, b"")
+            else:
+                self._patch(i, lo, memoryview(bytes(n)))
+            pos += n
+
+    @property
+    def dirty_bytes(self) -> int:
+        return self._dirty_bytes
+
+    # -- flushing --------------------------------------------------------------------
+
+    def flush(self, message: str = "", meta: dict[str, object] | None = None) -> str:
+        """Publish every block written so far; return the durable head.
+
+        With a message, publish a snapshot even if nothing changed (a named
+        point in the workspace's log).
+        """
+        with self._flush_lock:
+            self._check_writable()
+            with self._lock:
+                if not self._dirty and not message:
+                    return self.head
+                self._flushing, self._dirty = self._dirty, {}
+                self._dirty_bytes = 0
+                batch = dict(self._flushing)
+            try:
+                head = self._publish(batch, message, meta or {})
+            except BaseException:
+                with self._lock:  # keep what did not land, under anything written since
+                    batch.update(self._dirty)
+                    self._dirty = batch
+                    self._dirty_bytes = sum(len(v) for v in batch.values())
+                    self._flushing = {}
+                raise
+            with self._lock:
+                for i, content in batch.items():
+                    self._remember(i, content)
+                self._flushing = {}
+            self.flushes += 1
+            return head
+
+    def _publish(self, batch: dict[int, bytes], message: str,
+                 meta: dict[str, object]) -> str:
+        per = self.layout.per_extent
+        by_extent: dict[int, dict[int, bytes]] = {}
+        for i, content in batch.items():
+            x, k = divmod(i, per)
+            by_extent.setdefault(x, {})[k] = content
+        blocks: dict[bytes, bytes] = {}
+        nodes: list[tuple[int, bytes]] = []
+        changes: dict[str, Entry | None] = {}
+        new_ids: dict[int, tuple[bytes, ...]] = {}
+        if by_extent:
+            changes[DISK_DIR] = Entry(kind=K_DIR, mode=0o700)  # make sure disk/ exists
+        if message:  # a named snapshot is a snapshot even when no block changed
+            changes[SNAPSHOT_PATH] = snapshot_entry(message)
+        for x, edits in sorted(by_extent.items()):
+            ids = list(self._extent_ids(x))
+            for k, content in edits.items():
+                if content:
+                    oid = object_id(BLOCK, content)
+                    blocks.setdefault(oid, content)
+                    ids[k] = oid
+                else:
+                    ids[k] = ZERO_ID
+            new_ids[x] = tuple(ids)
+            if all(oid == ZERO_ID for oid in ids):
+                changes[extent_path(x)] = None
+                continue
+            raw = FileNode(self.layout.extent, self.layout.block, tuple(ids)).encode()
+            nodes.append((FILENODE, raw))
+            changes[extent_path(x)] = Entry(kind=K_FILE, mode=0o600, size=self.layout.extent,
+                                            ref=object_id(FILENODE, raw))
+        inline = self._upload(list(blocks.values()))
+        cs = ChangeSet(self.volume, self.branch, self.head, changes, message or "flush",
+                       {"workspace": "snapshot" if message else "flush", **meta},
+                       lease=self.lease)
+        try:
+            head = self.store.publish([cs], inline + nodes)[0]
+        except Forbidden as exc:
+            self.fenced = f"this host no longer holds the workspace's lease: {exc}"
+            raise DeviceError(self.fenced) from exc
+        with self._lock:
+            self._extents.update(new_ids)
+            self.head = head  # extents not cached yet are unchanged since `_root`
+        return head
+
+    def _upload(self, contents: list[bytes]) -> list[tuple[int, bytes]]:
+        """Send large flushes' blocks ahead in batches; return the rest to send inline."""
+        total = sum(len(c) for c in contents)
+        if total <= UPLOAD_BATCH:
+            return [(BLOCK, c) for c in contents]
+        batch: list[tuple[int, bytes]] = []
+        size = 0
+        for c in contents:
+            batch.append((BLOCK, c))
+            size += len(c)
+            if size >= UPLOAD_BATCH:
+                self.store.put_objects(batch)
+                batch, size = [], 0
+        if batch:
+            self.store.put_objects(batch)
+        return []
+
+
+def snapshot_entry(message: str) -> Entry:
+    raw = json.dumps({"message": message, "time_ns": time.time_ns()}).encode()[:4096]
+    return Entry(kind=K_FILE, mode=0o644, size=len(raw), data=raw)
+
+
+def written_extents(trees: Trees, root: Entry) -> Iterable[int]:
+    """Indexes of the extents a snapshot holds (the rest of the device is holes)."""
+    disk = trees.resolve(root, [DISK_DIR])
+    if disk is None or disk.ref is None:
+        return
+    for name, _e in trees.iter_dir(disk.ref):
+        try:
+            yield int(name, 16)
+        except ValueError:
+            continue

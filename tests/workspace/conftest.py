@@ -1,0 +1,68 @@
+"""Fixtures for workspace tests: a served store, and workspaces always detached."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from serverutil import Server  # noqa: E402
+
+STRATA = [sys.executable, "-m", "strata"]
+
+
+class WsEnv:
+    """A store with its server, and a `strata` that talks to it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.store = root / "store"
+        self.env = {**os.environ, "STRATA_STORE": str(self.store),
+                    "STRATA_WORKSPACE_STATE": str(root / "state")}
+        self.attached: list[Path] = []
+
+    def run(self, *args: str, rc: int | None = 0) -> subprocess.CompletedProcess[str]:
+        p = subprocess.run([*STRATA, *args], env=self.env, capture_output=True, text=True,
+                           timeout=120)
+        if rc is not None:
+            assert p.returncode == rc, (args, p.returncode, p.stdout, p.stderr)
+        return p
+
+    def attach(self, name: str, dirname: str) -> Path:
+        d = self.root / dirname
+        d.mkdir(exist_ok=True)
+        self.run("workspace", "attach", name, str(d))
+        self.attached.append(d)
+        return d
+
+    def detach(self, d: Path) -> None:
+        self.run("workspace", "detach", str(d))
+        self.attached.remove(d)
+
+
+def cleanup(root: Path) -> None:
+    """Lazily unmount everything under `root`; kill daemons left behind."""
+    for line in reversed(open("/proc/self/mountinfo").read().splitlines()):
+        mp = line.split()[4]
+        if mp.startswith(str(root)):
+            subprocess.run(["umount", "-l", mp], capture_output=True)
+    subprocess.run(["pkill", "-9", "-f", f"strata-ws-test {root}"], capture_output=True)
+
+
+@pytest.fixture
+def wsenv(tmp_path: Path) -> Iterator[WsEnv]:
+    env = WsEnv(tmp_path)
+    env.run("init")
+    server = Server(env.store).start()
+    try:
+        yield env
+        for d in list(env.attached):
+            env.run("workspace", "detach", str(d), rc=None)
+    finally:
+        cleanup(tmp_path)
+        server.stop()

@@ -340,13 +340,12 @@ def attach(server: str, token: str | None, volume: str, branch: str, directory: 
 
 
 def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting to be reaped has finished)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 def detach(directory: str, *, timeout: float = 60.0) -> None:

@@ -53,7 +53,8 @@ PIN_LIFETIME = 120.0           # pins must be renewed within this
 MAX_PINS = 100_000
 UPLOAD_PIN = 600.0             # objects uploaded or found present stay this long unpublished
 COMPACT_BELOW = 0.5            # a sealed pack under this fraction live is compacted
-POLICIES = "policies.json"     # in the store directory
+POLICIES = "policies.json"     # where policies lived before the journal held them
+POLICY_FIELDS = ("keep_last", "keep_newer", "expire_runs")
 PINS_UNTIL = "pins-until"      # in the store directory: how long granted pins may last
 TEMP_PREFIXES = ("run/", "rejected/")
 TAG_PREFIX = "tags/"
@@ -74,48 +75,64 @@ class Policy:
 
 
 class Policies:
-    """Retention policies per volume and branch, kept in the store directory.
+    """Retention policies per volume and branch, kept in the journal ("policy" ops).
 
-    A missing file keeps every snapshot: when in doubt, keep.
+    So they are in the packs, replayed by an index rebuild, named by GC's
+    `["state"]` commit and carried by bucket checkpoints: a store restored
+    from its bucket keeps them. None set keeps every snapshot: when in doubt, keep.
     """
 
-    def __init__(self, store_dir: str) -> None:
-        self.path = os.path.join(store_dir, POLICIES)
-        self._lock = threading.Lock()
+    def __init__(self, store: LocalStore) -> None:
+        self._store = store
 
     def load(self) -> dict[str, dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                data = json.loads(f.read())
-        except FileNotFoundError:
-            return {}
-        if not isinstance(data, dict) or data.get("version") != 1:
-            raise InvalidInput(f"{self.path}: unknown policy file version")
-        return dict(data["policies"])
+        """Every policy set, by `volume` or `volume@branch`."""
+        return {f"{v}@{b}" if b else v: dict(f)
+                for (v, b), f in sorted(self._store._refs.policies.items())}
 
     def get(self, volume: str, branch: str) -> Policy:
-        pols = self.load()
+        pols = self._store._refs.policies
         merged: dict[str, Any] = {}
-        merged.update(pols.get(volume, {}))
-        merged.update(pols.get(f"{volume}@{branch}", {}))
-        return Policy(**merged)
+        merged.update(pols.get((volume, ""), {}))
+        merged.update(pols.get((volume, branch), {}))
+        return Policy(**{k: v for k, v in merged.items() if k in POLICY_FIELDS})
 
     def set(self, volume: str, branch: str | None, **fields: Any) -> Policy:
+        """Change some fields (None unsets one); durable when this returns."""
         for k, v in fields.items():
-            if k not in ("keep_last", "keep_newer", "expire_runs"):
+            if k not in POLICY_FIELDS:
                 raise InvalidInput(f"unknown policy field {k!r}")
             if v is not None and (not isinstance(v, (int, float)) or v < (1 if k == "keep_last"
                                                                           else 0)):
                 raise InvalidInput(f"policy {k} must be a positive number")
-        with self._lock:
-            pols = self.load()
-            key = f"{volume}@{branch}" if branch else volume
-            cur = dict(pols.get(key, {}))
-            cur.update({k: v for k, v in fields.items()})
-            pols[key] = {k: v for k, v in cur.items() if v is not None}
-            _write_durably(self.path, json.dumps({"version": 1, "policies": pols},
-                                                 sort_keys=True).encode())
+        refs = self._store._refs
+
+        def ops() -> list[list[Any]]:  # under the journal's append lock: no lost update
+            cur = dict(refs.pending_policies.get((volume, branch or ""), {}))
+            cur.update(fields)
+            return [["policy", volume, branch or None,
+                     {k: v for k, v in sorted(cur.items()) if v is not None}]]
+
+        journal = self._store._journal
+        journal.wait_durable(journal.commit(ops))
         return self.get(volume, branch or "")
+
+    def migrate_file(self, store_dir: str) -> None:
+        """Move a `policies.json` (where policies lived before the journal) into the journal."""
+        path = os.path.join(store_dir, POLICIES)
+        try:
+            with open(path, "rb") as f:
+                data = json.loads(f.read())
+        except FileNotFoundError:
+            return
+        if not isinstance(data, dict) or data.get("version") != 1:
+            raise InvalidInput(f"{path}: unknown policy file version")
+        for key, fields in sorted(dict(data["policies"]).items()):
+            volume, _sep, branch = str(key).partition("@")
+            if volume in self._store._refs.pending_vols:  # a deleted volume's went with it
+                self.set(volume, branch or None,
+                         **{k: v for k, v in dict(fields).items() if k in POLICY_FIELDS})
+        os.unlink(path)  # every policy it held is durable in the journal now
 
 
 class Gate:

@@ -131,7 +131,7 @@ class LocalStore(Store):
         self._branch_locks_guard = threading.Lock()
         # Garbage collection (engine/gc.py): what it must not take away.
         self.gate = gcmod.Gate()
-        self.policies = gcmod.Policies(self.path)
+        self.policies = gcmod.Policies(self)
         self.gc_lock = threading.Lock()
         self._opened = time.monotonic()
         self._touched: dict[bytes, float] = {}  # uploaded or found present: oid -> when
@@ -151,6 +151,7 @@ class LocalStore(Store):
                     self._indexer.has(bytes.fromhex(EMPTY_SNAPSHOT_ID))):
                 self.put_objects([(TREE, EMPTY_TREE), (SNAPSHOT, EMPTY_SNAPSHOT_RAW)])
                 self._journal.commit([])
+            self.policies.migrate_file(self.path)
         except BaseException:
             self._packs.close()
             self._lock.release()

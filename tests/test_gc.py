@@ -351,6 +351,13 @@ class GcMachine(RuleBasedStateMachine):
         self.s = LocalStore(self.dir, StoreConfig(pack_size_limit=MiB))
         self._lose_pins()
 
+    @rule()
+    def rebuild_index(self) -> None:
+        """The index from the packs GC left: refs and policies come from its state commit."""
+        self.s.rebuild_index()
+        self.reopen()  # what is served next comes from the rebuilt index
+        assert self.s.policies.get("v", "live").keep_last == self.keep_last
+
     @rule(cut=st.floats(0, 1))
     def crash(self, cut: float) -> None:
         """The owner dies: nothing is flushed or closed, and what was not synced is lost."""

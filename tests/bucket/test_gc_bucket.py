@@ -71,7 +71,8 @@ def test_collected_packs_leave_the_bucket_after_a_checkpoint(bucket_url: str,
 def test_policies_travel_with_the_bucket(bucket_url: str, tmp_path: Path) -> None:
     """A store restored from its bucket keeps its retention policies, and GC applies them.
 
-    One policy is in the checkpoint, one only in the log after it.
+    One policy is in the checkpoint, one only in the log after it. A tag (a
+    branch) keeps the oldest snapshot, which the policy alone would let go.
     """
     store = tmp_path / "a"
     init_store(str(store), bucket=bucket_url, pack_size_limit=MiB)
@@ -79,6 +80,7 @@ def test_policies_travel_with_the_bucket(bucket_url: str, tmp_path: Path) -> Non
     s.create_volume("v")
     sids = [_publish(s, "live", b"live %d" % i) for i in range(4)]
     s.fork("v", "side", at=sids[1])
+    s.fork("v", "tags/first", at=sids[0])  # tags are branches: they travel as refs
     for i in range(2):
         _publish(s, "side", b"side %d" % i)
     s.policies.set("v", None, keep_last=2)
@@ -106,6 +108,7 @@ def test_policies_travel_with_the_bucket(bucket_url: str, tmp_path: Path) -> Non
             assert len(r.log(heads["live"])) == 2 and len(r.log(heads["side"])) == 1
             assert Transaction(r, "v").read("f") == b"live 3" * 50_000
             assert Transaction(r, "v", "side").read("f") == b"side 1" * 50_000
+            assert Transaction(r, "v", "tags/first").read("f") == b"live 0" * 50_000
             report = r.fsck()
             assert report["ok"], {k: v for k, v in report.items()
                                   if k not in ("packs", "records")}

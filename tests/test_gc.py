@@ -213,6 +213,7 @@ class GcMachine(RuleBasedStateMachine):
             "live": [(self.s.head("v", "live"), {})]}
         self.tags: dict[str, tuple[str, dict[str, bytes]]] = {}
         self.keep_last: int | None = None
+        self.branch_keep: dict[str, int] = {}  # a branch's own keep_last (outlives the branch)
         # Mounts: pin id -> (snapshot, files). A reopen loses the store's pins, not
         # the mounts: theirs are "orphans" until they renew, find the pin gone and
         # pin again (mount/process.py), as a mount does after a server restart.
@@ -287,6 +288,17 @@ class GcMachine(RuleBasedStateMachine):
         self.keep_last = n
         self.s.policies.set("v", None, keep_last=n)
 
+    @rule(branch=st.sampled_from(["live", "b1", "b2"]), n=st.sampled_from([None, 1, 2]))
+    def branch_policy(self, branch: str, n: int | None) -> None:
+        """A branch's own policy overrides the volume's; unset, the volume's applies."""
+        if branch not in self.hist and branch != "live":
+            return
+        self.s.policies.set("v", branch, keep_last=n)
+        if n is None:
+            self.branch_keep.pop(branch, None)
+        else:
+            self.branch_keep[branch] = n
+
     @rule(dry=st.booleans())
     def gc(self, dry: bool) -> None:
         in_grace = time.time() < self.grace_until
@@ -356,7 +368,9 @@ class GcMachine(RuleBasedStateMachine):
         """The index from the packs GC left: refs and policies come from its state commit."""
         self.s.rebuild_index()
         self.reopen()  # what is served next comes from the rebuilt index
-        assert self.s.policies.get("v", "live").keep_last == self.keep_last
+        for br in ("live", "b1", "b2"):
+            assert self.s.policies.get("v", br).keep_last == self.branch_keep.get(
+                br, self.keep_last)
 
     @rule(cut=st.floats(0, 1))
     def crash(self, cut: float) -> None:
@@ -367,7 +381,8 @@ class GcMachine(RuleBasedStateMachine):
 
     def _kept(self, branch: str) -> list[tuple[str, dict[str, bytes]]]:
         h = self.hist[branch]
-        return h if self.keep_last is None else h[-self.keep_last:]
+        n = self.branch_keep.get(branch, self.keep_last)
+        return h if n is None else h[-n:]
 
     @invariant()
     def kept_snapshots_read_back(self) -> None:

@@ -18,6 +18,8 @@ def main() -> None:
                     help="directory on the local disk to run in")
     ap.add_argument("--out", default="bench/results/engine.json")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    ap.add_argument("--churn-rounds", type=int, default=None,
+                    help="rounds of the GC churn on a mount (default 20, 5 with --quick)")
     ap.add_argument("--only", default="engine,server,bucket,gc,mount,steps,ui,speed",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
                          "steps, ui, speed)")
@@ -31,7 +33,7 @@ def main() -> None:
     if "bucket" in groups:
         rows += bucket.run(args.dir, quick=args.quick)
     if "gc" in groups:
-        rows += gc.run(args.dir, quick=args.quick)
+        rows += gc.run(args.dir, quick=args.quick, churn_rounds=args.churn_rounds)
     if "ui" in groups:
         rows += ui.run(args.dir, quick=args.quick)
     if rows:

@@ -6,6 +6,16 @@
   The last round ends installed. Store bytes after the churn over the bytes
   of one copy, and bytes written to packs over bytes of data written (95 % of
   the files are the same from round to round, as with `npm ci`, and dedup).
+- **Churn on a mount** (the issue's workload): rounds of `npm ci` + `rm -rf
+  node_modules` + `strata commit` on a real strata mount (FUSE lower,
+  overlayfs upper) through a real server, `strata gc --min-age 0` between
+  rounds, the volume keeping its last snapshot. The dependency tree is
+  bench/npm-churn's lockfile (express and lodash: about 1,700 files, 4 MiB);
+  the npm cache is warmed once from the registry (only what it lacks), then
+  every round runs `npm ci --offline`. Without npm, or when the cache cannot
+  be warmed, a generated 2,000-file tarball is extracted with `tar -x`
+  instead, and the row says so. Rounds: `--churn-rounds` (default 20; 5 with
+  --quick). Beside it, the same `npm ci` on the local disk.
 - **A pass after 1,000 small publishes** on a 100k-file volume, beside the
   time of those publishes.
 - **Compaction** MB/s: bytes copied over the time of the pass that copied
@@ -18,9 +28,15 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import stat
+import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
+from bench.cli_env import STRATA
+from bench.mount import Env, make_tarball
 from bench.report import row
 from strata.engine.local import LocalStore, init_store
 from strata.engine.txn import Transaction
@@ -69,6 +85,124 @@ def bench_churn(root: str, rounds: int) -> tuple[float, float, int]:
     final = _packs_bytes(path)
     shutil.rmtree(path)
     return final / one_copy, amplification, one_copy
+
+
+NPM_CHURN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "npm-churn")
+NPM_FLAGS = ("--ignore-scripts", "--no-audit", "--no-fund")
+
+
+def _tree_bytes(path: str) -> int:
+    """Bytes of the regular files under `path` (what one copy of the tree holds)."""
+    total = 0
+    for d, _dirs, files in os.walk(path):
+        for f in files:
+            st = os.lstat(os.path.join(d, f))
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def _install_tool(gen: str) -> tuple[list[str], str, str]:
+    """The churn's install command, run in a directory holding `app/`; and what it is.
+
+    Returns (command, description, the copy's path under gen to measure one copy).
+    """
+    app = os.path.join(gen, "app")
+    shutil.copytree(NPM_CHURN, app)
+    why = "npm is not installed"
+    if shutil.which("npm") is not None:
+        # Warm the cache: the registry is asked only for what the cache lacks.
+        p = subprocess.run(["npm", "ci", "--prefer-offline", *NPM_FLAGS], cwd=app,
+                           capture_output=True, text=True)
+        if p.returncode == 0:
+            files = sum(len(f) for _d, _s, f in os.walk(os.path.join(app, "node_modules")))
+            return (["npm", "ci", "--offline", *NPM_FLAGS],
+                    f"npm ci --offline, express+lodash, {files} files",
+                    os.path.join(app, "node_modules"))
+        why = f"npm ci could not warm its cache: {p.stderr.strip()[-200:]}"
+    print(f"gc churn on a mount: {why}; extracting a tarball instead", file=sys.stderr)
+    shutil.rmtree(app)
+    os.makedirs(app)
+    tar = make_tarball(gen, 2000)
+    nm = os.path.join(gen, "copy", "node_modules")
+    os.makedirs(nm)
+    subprocess.run(["tar", "-xf", tar, "-C", nm], check=True)
+    return (["sh", "-c", f"mkdir node_modules && tar -xf {tar} -C node_modules"],
+            f"tar -x of 2,000 files ({why})", nm)
+
+
+def bench_churn_mount(root: str, rounds: int) -> list[dict[str, Any]]:
+    """The issue's churn on a real mount; rows, or none without root and FUSE."""
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        print("gc churn on a mount skipped: it needs root and /dev/fuse", file=sys.stderr)
+        return []
+    work = os.path.join(root, "mountchurn")
+    os.makedirs(work)
+    env = Env(work)
+    try:
+        gen = os.path.join(work, "gen")
+        os.makedirs(gen)
+        cmd, what, copy = _install_tool(gen)
+        one_copy = _tree_bytes(copy)
+        subprocess.run([*STRATA, "init", "--store", env.store], check=True,
+                       capture_output=True)
+        env.cli("volume", "create", "w")
+        env.cli("policy", "set", "w", "--keep-last", "1")
+        m = env.mount("w", "w")
+        app = os.path.join(m, "app")
+        shutil.copytree(os.path.join(gen, "app"), app,
+                        ignore=shutil.ignore_patterns("node_modules"))
+        env.commit(m)
+        local = os.path.join(work, "local")
+        shutil.copytree(os.path.join(gen, "app"), local,
+                        ignore=shutil.ignore_patterns("node_modules"))
+        start = env.stats()["bytes_written"]
+        stored = 1
+        on_mount: list[float] = []
+        on_disk: list[float] = []
+        commits: list[float] = []
+        written = 0
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            subprocess.run(cmd, cwd=app, check=True, capture_output=True)
+            on_mount.append(time.perf_counter() - t0)
+            written += one_copy
+            commits.append(env.commit(m)[0])
+            if r == 0:  # one copy as the packs hold it (zstd): what amplification is of
+                stored = env.stats()["bytes_written"] - start
+            if r % 4 == 0:  # the same install on the local disk, now and then
+                t0 = time.perf_counter()
+                subprocess.run(cmd, cwd=local, check=True, capture_output=True)
+                on_disk.append(time.perf_counter() - t0)
+                shutil.rmtree(os.path.join(local, "node_modules"))
+            if r == rounds - 1:
+                break  # end installed: one copy is live
+            shutil.rmtree(os.path.join(app, "node_modules"))
+            commits.append(env.commit(m)[0])
+            env.cli("gc", "--min-age", "0", "--json")
+        for _ in range(2):  # packs found empty go one pass later
+            env.cli("gc", "--min-age", "0", "--json")
+        total = env.stats()["bytes_written"] - start
+        amplification = total / written
+        stored_amplification = total / (stored * rounds)
+        ratio = _packs_bytes(env.store) / one_copy
+    finally:
+        env.close()
+    return [
+        row(f"gc: mount churn, {rounds} rounds of {what}, store / one copy", ratio, "x", None,
+            f"one copy {one_copy / MIB:.1f} MiB of files; packs are zstd", "<= 1.5",
+            met=ratio <= 1.5),
+        row(f"gc: mount churn write amplification ({rounds} rounds)", amplification, "x",
+            None, f"{written / MIB:.0f} MiB of files installed", "<= 2",
+            met=amplification <= 2.0),
+        row("gc: mount churn, pack bytes / stored size of what was installed",
+            stored_amplification, "x", None,
+            f"one copy stored: {stored / MIB:.1f} MiB (zstd)"),
+        row("gc: mount churn, install per round (median)", statistics.median(on_mount), "s",
+            statistics.median(on_disk), "the same on ext4"),
+        row("gc: mount churn, strata commit per round (median)", statistics.median(commits),
+            "s", None, "install and delete commits"),
+    ]
 
 
 def bench_pass(root: str, files: int, publishes: int) -> tuple[float, float]:
@@ -134,12 +268,16 @@ def bench_compaction(root: str, mib: int) -> tuple[float, float]:
     return copied / MIB / secs if secs and copied else 0.0, max(copied, MIB) / MIB / raw
 
 
-def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
+def run(root: str, *, quick: bool = False, churn_rounds: int | None = None
+        ) -> list[dict[str, Any]]:
     work = os.path.join(root, "strata-bench-gc")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     rows: list[dict[str, Any]] = []
     try:
+        n = churn_rounds if churn_rounds is not None else 5 if quick else 20
+        print(f"gc churn on a mount: {n} rounds", file=sys.stderr, flush=True)
+        rows += bench_churn_mount(work, n)
         rounds = 10 if quick else 40
         ratio, amp, one = bench_churn(work, rounds)
         rows.append(row(f"gc: churn, {rounds} install+delete rounds, store / one copy", ratio,

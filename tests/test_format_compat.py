@@ -10,12 +10,16 @@ appended to.
 
 from __future__ import annotations
 
+import json
 import random
 import tarfile
 from pathlib import Path
 
+import pytest
+
 from strata.engine import pack as packfmt
-from strata.engine.local import LocalStore
+from strata.engine.errors import InvalidInput
+from strata.engine.local import LocalStore, init_store
 from strata.engine.txn import Transaction
 
 FIXTURE = Path(__file__).parent / "fixtures" / "store-v1.tar.gz"
@@ -55,4 +59,28 @@ def test_a_version_1_store_opens_reads_and_takes_new_publishes(tmp_path: Path) -
         assert store.fsck()["ok"]
     packs = sorted((tmp_path / "packs").glob("*.pack"))
     assert {p.name: p.read_bytes() for p in packs if p.name in old} == old  # untouched
-    assert packfmt.read_info(str(packs[-1])).version == packfmt.PACK_VERSION == 3
+    assert packfmt.read_info(str(packs[-1])).version == packfmt.PACK_VERSION == 4
+
+
+def test_policies_from_a_policies_json_move_into_the_journal(tmp_path: Path) -> None:
+    """Stores made before policies were journaled kept them in policies.json."""
+    init_store(str(tmp_path))
+    with LocalStore(str(tmp_path)) as store:
+        store.create_volume("v")
+        store.fork("v", "side", at=None)
+    (tmp_path / "policies.json").write_text(json.dumps({"version": 1, "policies": {
+        "v": {"keep_last": 3}, "v@side": {"expire_runs": 60}, "gone": {"keep_last": 1}}}))
+    want = {"v": {"keep_last": 3}, "v@side": {"expire_runs": 60}}
+    with LocalStore(str(tmp_path)) as store:
+        assert store.policies.load() == want
+        assert store.policies.get("v", "side").keep_last == 3
+        assert store.policies.get("v", "side").expire_runs == 60
+    assert not (tmp_path / "policies.json").exists()
+    with LocalStore(str(tmp_path)) as store:
+        store.rebuild_index()  # replayed from the packs
+        assert store.policies.load() == want
+    with LocalStore(str(tmp_path)) as store:
+        assert store.policies.load() == want
+    (tmp_path / "policies.json").write_text(json.dumps({"version": 2, "policies": {}}))
+    with pytest.raises(InvalidInput, match="unknown policy file version"):
+        LocalStore(str(tmp_path))

@@ -6,10 +6,17 @@ import os
 import random
 from pathlib import Path
 
+import msgpack
 import pytest
 
-from strata.engine.bucket import Bucket
-from strata.engine.checkpoint import BLOCK_ENTRIES, Checkpoint, RunReader, encode_run
+from strata.engine.bucket import Bucket, frame_record
+from strata.engine.checkpoint import (
+    BLOCK_ENTRIES,
+    CHECKPOINT_MAGIC,
+    Checkpoint,
+    RunReader,
+    encode_run,
+)
 from strata.engine.errors import Corrupt
 
 
@@ -27,9 +34,18 @@ def test_a_checkpoint_round_trips_and_refuses_damage() -> None:
                     leases=[["v", "live", 3, 10**18, "host", b"k" * 16]],
                     packs={1: ("packs/00000001-aa.pack", 900), 2: ("packs/00000002-bb.pack", 77)},
                     log_from=12, block_size=65536,
-                    run="runs/x", fences=fences, entries=count, expired=[b"x" * 32])
+                    run="runs/x", fences=fences, entries=count, expired=[b"x" * 32],
+                    policies=[[b"v\0", b'{"keep_last": 2}']])
     data = cp.encode()
     assert Checkpoint.decode("checkpoints/x", data) == cp
+    # A version 2 checkpoint (before policies were journaled) reads as having none.
+    body = msgpack.unpackb(data[37:])
+    del body["policies"]
+    body["v"] = 2
+    old = frame_record(CHECKPOINT_MAGIC, 2, body)
+    assert Checkpoint.decode("checkpoints/old", old).policies == []
+    with pytest.raises(Corrupt, match="checkpoint version 4 .*upgrade"):
+        Checkpoint.decode("checkpoints/new", frame_record(CHECKPOINT_MAGIC, 4, body))
     assert len(fences) == -(-3000 // BLOCK_ENTRIES)
     for bad in (data[:-1], b"STRC\x09" + data[5:], data[:40] + bytes([data[40] ^ 1]) + data[41:]):
         with pytest.raises(Corrupt, match="checkpoints/x"):

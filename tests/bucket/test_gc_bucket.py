@@ -8,11 +8,13 @@ A restore after collection reads every kept snapshot back.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 from pathlib import Path
 
+from strata.engine.errors import StrataError
 from strata.engine.local import LocalStore, init_store
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
@@ -64,3 +66,60 @@ def test_collected_packs_leave_the_bucket_after_a_checkpoint(bucket_url: str,
         assert t.read("big") == want and t.read("keep") == b"kept"
         report = s.fsck()
         assert report["ok"], {k: v for k, v in report.items() if k not in ("packs", "records")}
+
+
+def test_policies_travel_with_the_bucket(bucket_url: str, tmp_path: Path) -> None:
+    """A store restored from its bucket keeps its retention policies, and GC applies them.
+
+    One policy is in the checkpoint, one only in the log after it. A tag (a
+    branch) keeps the oldest snapshot, which the policy alone would let go.
+    """
+    store = tmp_path / "a"
+    init_store(str(store), bucket=bucket_url, pack_size_limit=MiB)
+    s = LocalStore(str(store))
+    s.create_volume("v")
+    sids = [_publish(s, "live", b"live %d" % i) for i in range(4)]
+    s.fork("v", "side", at=sids[1])
+    s.fork("v", "tags/first", at=sids[0])  # tags are branches: they travel as refs
+    for i in range(2):
+        _publish(s, "side", b"side %d" % i)
+    s.policies.set("v", None, keep_last=2)
+    tier = s._tier
+    assert tier is not None
+    tier.flush()  # a checkpoint holding the volume's policy
+    s.policies.set("v", "side", keep_last=1, keep_newer=None)
+    tier.ship()   # the branch's: in the log only
+    heads = s.list_branches("v")
+    want = {"v": {"keep_last": 2}, "v@side": {"keep_last": 1}}
+    assert s.policies.load() == want
+    try:
+        restore(bucket_url, str(tmp_path / "b"))  # while `a` still runs: a new machine
+        with LocalStore(str(tmp_path / "b")) as r:
+            assert r.policies.load() == want
+            assert r.list_branches("v") == heads
+            assert len(r.log(heads["live"])) == 5 and len(r.log(heads["side"])) == 5
+            rt = r._tier
+            assert rt is not None
+            deadline = time.monotonic() + 60
+            while not rt.index_complete():  # GC waits for the inherited index
+                assert time.monotonic() < deadline, "the index never came"
+                time.sleep(0.05)
+            r.gc(min_age=0)
+            assert len(r.log(heads["live"])) == 2 and len(r.log(heads["side"])) == 1
+            assert Transaction(r, "v").read("f") == b"live 3" * 50_000
+            assert Transaction(r, "v", "side").read("f") == b"side 1" * 50_000
+            assert Transaction(r, "v", "tags/first").read("f") == b"live 0" * 50_000
+            report = r.fsck()
+            assert report["ok"], {k: v for k, v in report.items()
+                                  if k not in ("packs", "records")}
+        with LocalStore(str(tmp_path / "b")) as r:  # and they stay: they are in its journal
+            assert r.policies.load() == want
+    finally:
+        with contextlib.suppress(StrataError):  # fenced by the restored store
+            s.close()
+
+
+def _publish(s: LocalStore, branch: str, data: bytes) -> str:
+    t = Transaction(s, "v", branch)
+    t.write("f", data * 50_000)
+    return t.commit()

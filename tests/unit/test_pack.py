@@ -60,7 +60,7 @@ def test_header_is_checked(tmp_path: Path) -> None:
     p = tmp_path / packfmt.pack_name(3)
     new_pack(p, 3)
     data = p.read_bytes()
-    assert packfmt.read_header(data, p.name) == packfmt.PackInfo(3, 3, SYNC, 56)
+    assert packfmt.read_header(data, p.name) == packfmt.PackInfo(3, packfmt.PACK_VERSION, SYNC, 56)
     # A version 1 pack (older strata): 40-byte header, frames start with "SR".
     v1 = packfmt.HEADER_V1.pack(packfmt.PACK_MAGIC, 1, 0, 3, 0, STORE_ID)
     assert packfmt.read_header(v1, p.name) == packfmt.PackInfo(3, 1, b"SR", 40)

@@ -31,8 +31,8 @@ from strata.engine.bucket import frame_record, open_record
 from strata.engine.errors import Corrupt
 
 CHECKPOINT_MAGIC = b"STRC"
-CHECKPOINT_VERSION = 2           # 2: `expired`, the snapshots garbage collection removed
-CHECKPOINT_VERSIONS = (1, 2)     # what this strata reads
+CHECKPOINT_VERSION = 3           # 3: `policies`; 2: `expired`, the snapshots GC removed
+CHECKPOINT_VERSIONS = (1, 2, 3)  # what this strata reads
 RUN_MAGIC = b"STRI"
 RUN_VERSION = 1
 RUN_HEAD = 5
@@ -59,6 +59,7 @@ class Checkpoint:
     fences: list[bytes] = field(default_factory=list)
     entries: int = 0
     expired: list[bytes] = field(default_factory=list)  # snapshot ids GC removed
+    policies: list[list[bytes]] = field(default_factory=list)  # the policies table's rows
 
     def encode(self) -> bytes:
         return frame_record(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, {
@@ -69,7 +70,7 @@ class Checkpoint:
             "packs": [[n, name, size] for n, (name, size) in sorted(self.packs.items())],
             "log_from": self.log_from, "block_size": self.block_size,
             "run": self.run, "fences": b"".join(self.fences), "entries": self.entries,
-            "expired": b"".join(self.expired)})
+            "expired": b"".join(self.expired), "policies": self.policies})
 
     @classmethod
     def decode(cls, name: str, data: bytes) -> Checkpoint:
@@ -89,7 +90,8 @@ class Checkpoint:
                 log_from=int(b["log_from"]), block_size=int(b["block_size"]),
                 run=str(b["run"]), entries=int(b["entries"]),
                 fences=[fences[i:i + 32] for i in range(0, len(fences), 32)],
-                expired=[expired[i:i + 32] for i in range(0, len(expired), 32)])
+                expired=[expired[i:i + 32] for i in range(0, len(expired), 32)],
+                policies=[[bytes(k), bytes(v)] for k, v in b.get("policies", [])])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise Corrupt(name, 0, f"checkpoint fields are malformed: {exc}") from None
 

@@ -53,7 +53,9 @@ PIN_LIFETIME = 120.0           # pins must be renewed within this
 MAX_PINS = 100_000
 UPLOAD_PIN = 600.0             # objects uploaded or found present stay this long unpublished
 COMPACT_BELOW = 0.5            # a sealed pack under this fraction live is compacted
-POLICIES = "policies.json"     # in the store directory
+POLICIES = "policies.json"     # where policies lived before the journal held them
+POLICY_FIELDS = ("keep_last", "keep_newer", "expire_runs")
+PINS_UNTIL = "pins-until"      # in the store directory: how long granted pins may last
 TEMP_PREFIXES = ("run/", "rejected/")
 TAG_PREFIX = "tags/"
 
@@ -73,57 +75,64 @@ class Policy:
 
 
 class Policies:
-    """Retention policies per volume and branch, kept in the store directory.
+    """Retention policies per volume and branch, kept in the journal ("policy" ops).
 
-    A missing file keeps every snapshot: when in doubt, keep.
+    So they are in the packs, replayed by an index rebuild, named by GC's
+    `["state"]` commit and carried by bucket checkpoints: a store restored
+    from its bucket keeps them. None set keeps every snapshot: when in doubt, keep.
     """
 
-    def __init__(self, store_dir: str) -> None:
-        self.path = os.path.join(store_dir, POLICIES)
-        self._lock = threading.Lock()
+    def __init__(self, store: LocalStore) -> None:
+        self._store = store
 
     def load(self) -> dict[str, dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                data = json.loads(f.read())
-        except FileNotFoundError:
-            return {}
-        if not isinstance(data, dict) or data.get("version") != 1:
-            raise InvalidInput(f"{self.path}: unknown policy file version")
-        return dict(data["policies"])
+        """Every policy set, by `volume` or `volume@branch`."""
+        return {f"{v}@{b}" if b else v: dict(f)
+                for (v, b), f in sorted(self._store._refs.policies.items())}
 
     def get(self, volume: str, branch: str) -> Policy:
-        pols = self.load()
+        pols = self._store._refs.policies
         merged: dict[str, Any] = {}
-        merged.update(pols.get(volume, {}))
-        merged.update(pols.get(f"{volume}@{branch}", {}))
-        return Policy(**merged)
+        merged.update(pols.get((volume, ""), {}))
+        merged.update(pols.get((volume, branch), {}))
+        return Policy(**{k: v for k, v in merged.items() if k in POLICY_FIELDS})
 
     def set(self, volume: str, branch: str | None, **fields: Any) -> Policy:
+        """Change some fields (None unsets one); durable when this returns."""
         for k, v in fields.items():
-            if k not in ("keep_last", "keep_newer", "expire_runs"):
+            if k not in POLICY_FIELDS:
                 raise InvalidInput(f"unknown policy field {k!r}")
             if v is not None and (not isinstance(v, (int, float)) or v < (1 if k == "keep_last"
                                                                           else 0)):
                 raise InvalidInput(f"policy {k} must be a positive number")
-        with self._lock:
-            pols = self.load()
-            key = f"{volume}@{branch}" if branch else volume
-            cur = dict(pols.get(key, {}))
-            cur.update({k: v for k, v in fields.items()})
-            pols[key] = {k: v for k, v in cur.items() if v is not None}
-            tmp = self.path + ".tmp"
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-                f.write(json.dumps({"version": 1, "policies": pols}, sort_keys=True).encode())
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, self.path)
-            fd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        refs = self._store._refs
+
+        def ops() -> list[list[Any]]:  # under the journal's append lock: no lost update
+            cur = dict(refs.pending_policies.get((volume, branch or ""), {}))
+            cur.update(fields)
+            return [["policy", volume, branch or None,
+                     {k: v for k, v in sorted(cur.items()) if v is not None}]]
+
+        journal = self._store._journal
+        journal.wait_durable(journal.commit(ops))
         return self.get(volume, branch or "")
+
+    def migrate_file(self, store_dir: str) -> None:
+        """Move a `policies.json` (where policies lived before the journal) into the journal."""
+        path = os.path.join(store_dir, POLICIES)
+        try:
+            with open(path, "rb") as f:
+                data = json.loads(f.read())
+        except FileNotFoundError:
+            return
+        if not isinstance(data, dict) or data.get("version") != 1:
+            raise InvalidInput(f"{path}: unknown policy file version")
+        for key, fields in sorted(dict(data["policies"]).items()):
+            volume, _sep, branch = str(key).partition("@")
+            if volume in self._store._refs.pending_vols:  # a deleted volume's went with it
+                self.set(volume, branch or None,
+                         **{k: v for k, v in dict(fields).items() if k in POLICY_FIELDS})
+        os.unlink(path)  # every policy it held is durable in the journal now
 
 
 class Gate:
@@ -165,11 +174,21 @@ class Gate:
 
 
 class Pins:
-    """Snapshots held by running mounts and steps (through the server), renewed or lost."""
+    """Snapshots held by running mounts and steps (through the server), renewed or lost.
 
-    def __init__(self) -> None:
+    Pins live in memory only; the store directory remembers how long they may
+    last (`PINS_UNTIL`, written before a pin or renewal is granted that outlives
+    what it says), so that the next owner of the store, after a crash or a
+    restart, deletes nothing while a pin granted by this one may still be held.
+    """
+
+    def __init__(self, store_dir: str | None = None) -> None:
         self._lock = threading.Lock()
         self._pins: dict[str, tuple[str, float]] = {}  # id -> (snapshot, expiry)
+        self._path = os.path.join(store_dir, PINS_UNTIL) if store_dir else None
+        # Wall clock: the earlier owner's pins may be held until then (0: none).
+        self.inherited = _read_until(self._path) if self._path else 0.0
+        self._until = self.inherited
 
     def pin(self, sid: str, ttl: float) -> str:
         pid = os.urandom(16).hex()
@@ -178,7 +197,9 @@ class Pins:
                 self.live_locked()
                 if len(self._pins) >= MAX_PINS:
                     raise Unavailable(f"{MAX_PINS} pins are held: release some first")
-            self._pins[pid] = (sid, time.monotonic() + _ttl(ttl))
+            ttl = _ttl(ttl)
+            self._extend_locked(ttl)
+            self._pins[pid] = (sid, time.monotonic() + ttl)
         return pid
 
     def renew(self, pid: str, ttl: float) -> None:
@@ -187,7 +208,28 @@ class Pins:
             if cur is None or cur[1] < time.monotonic():
                 self._pins.pop(pid, None)
                 raise NotFound("no such pin (expired or released)")
-            self._pins[pid] = (cur[0], time.monotonic() + _ttl(ttl))
+            ttl = _ttl(ttl)
+            self._extend_locked(ttl)
+            self._pins[pid] = (cur[0], time.monotonic() + ttl)
+
+    def grace_left(self) -> float:
+        """Seconds an earlier owner's pins may still be held (0: none can be)."""
+        return max(0.0, self.inherited - time.time())
+
+    def _extend_locked(self, ttl: float) -> None:
+        # Half a lifetime of slack: at most one write (three fsyncs) a minute.
+        if self._path is None or time.time() + ttl <= self._until:
+            return
+        until = time.time() + ttl + PIN_LIFETIME / 2
+        _write_until(self._path, until)
+        self._until = until
+
+    def closed_cleanly(self) -> None:
+        """The owner is closing: no pin lives on in anyone's memory but the holders'."""
+        # An earlier owner's horizon still running stays for the next one.
+        if self._path is not None and not self.live() and self.inherited <= time.time():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
 
     def release(self, pid: str) -> None:
         with self._lock:
@@ -202,6 +244,43 @@ class Pins:
         for pid in [p for p, (_s, exp) in self._pins.items() if exp < now]:
             del self._pins[pid]
         return {sid for sid, _exp in self._pins.values()}
+
+
+def _read_until(path: str) -> float:
+    """The pin horizon an earlier owner left; a damaged file waits the longest."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except FileNotFoundError:
+        return 0.0
+    except (OSError, ValueError):
+        return time.time() + 1.5 * PIN_LIFETIME  # when in doubt, keep
+    if not isinstance(data, dict) or data.get("version") != 1:
+        raise InvalidInput(f"{path}: unknown pin horizon file version")
+    until = data.get("until")
+    if not isinstance(until, (int, float)):
+        return time.time() + 1.5 * PIN_LIFETIME
+    # A clock set back must not stretch the wait past what a pin can last.
+    return min(float(until), time.time() + 1.5 * PIN_LIFETIME)
+
+
+def _write_until(path: str, until: float) -> None:
+    _write_durably(path, json.dumps({"version": 1, "until": until}).encode())
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    """Write `path` whole or not at all, and make it durable before returning."""
+    tmp = path + ".tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _ttl(ttl: float) -> float:
@@ -282,7 +361,10 @@ def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> N
 
     # 4. sweep (publishes wait for the short final part)
     young_pins = store.upload_pins()
-    grace = store.opened_for() < min(PIN_LIFETIME, min_age)
+    # Pins an earlier owner granted are not known here: wait them out. Without any
+    # (a clean close with none held), only `min_age` shortens the wait after opening.
+    inherited = store.pins.grace_left()
+    grace = inherited > 0 or store.opened_for() < min(PIN_LIFETIME, min_age)
     with store.gate.exclusive():
         again = _roots(store, now, None, skip=set())
         _mark(store, again - roots, live)
@@ -302,8 +384,11 @@ def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> N
         doomed = [oid for oid in candidates
                   if dry_run or since.get(oid, time.time_ns()) <= cutoff]
         if grace and doomed:
-            report.waiting = (f"the store opened {store.opened_for():.0f} s ago: nothing is "
-                              f"deleted before one pin lifetime ({PIN_LIFETIME:g} s)")
+            report.waiting = (
+                f"pins granted before the store was opened may be held for {inherited:.0f} s "
+                "more: nothing is deleted until then" if inherited > 0 else
+                f"the store opened {store.opened_for():.0f} s ago: nothing is "
+                f"deleted before one pin lifetime ({PIN_LIFETIME:g} s)")
             doomed = []
         report.objects_deleted = len(doomed)
         report.bytes_freed = sum(candidates[o][2] for o in doomed)

@@ -9,6 +9,7 @@ consistent, and is a single well-kept C library.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -32,7 +33,7 @@ class Index:
     def __init__(self, path: str) -> None:
         self.path = path
         os.makedirs(path, mode=0o700, exist_ok=True)
-        self.env = lmdb.open(path, max_dbs=8, map_size=1 << 40, subdir=True, mode=0o600,
+        self.env = lmdb.open(path, max_dbs=12, map_size=1 << 40, subdir=True, mode=0o600,
                              metasync=False, sync=True, readahead=False, max_readers=512)
         self.objects = self.env.open_db(b"objects")
         self.refs = self.env.open_db(b"refs")
@@ -44,6 +45,7 @@ class Index:
         # and objects it found unreachable, with when it first did.
         self.expired = self.env.open_db(b"expired")
         self.dead = self.env.open_db(b"dead")
+        self.policies = self.env.open_db(b"policies")  # retention, from "policy" ops
         with self.env.begin(write=True) as txn:
             v = txn.get(b"version", db=self.meta)
             if v is None:
@@ -98,6 +100,11 @@ class Index:
                 refs[(vol, br)] = bytes(v).hex()
         return vols, refs
 
+    def load_policies(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """(volume, branch or "") -> the policy fields set there."""
+        with self.env.begin(db=self.policies) as txn:
+            return {_split_key(bytes(k)): json.loads(bytes(v)) for k, v in txn.cursor()}
+
     def load_leases(self) -> dict[tuple[str, str], tuple[int, int, str, bytes]]:
         out: dict[tuple[str, str], tuple[int, int, str, bytes]] = {}
         with self.env.begin(db=self.leases) as txn:
@@ -136,15 +143,19 @@ class Index:
                          for k, x in txn.cursor(db=self.refs)},
                 "leases": [[bytes(k), bytes(x)] for k, x in txn.cursor(db=self.leases)],
                 "expired": [bytes(k) for k, _x in txn.cursor(db=self.expired)],
+                "policies": [[bytes(k), bytes(x)] for k, x in txn.cursor(db=self.policies)],
             }
         return got, tables
 
     # -- the one writer -----------------------------------------------------------
 
     def load_tables(self, applied: tuple[int, int], volumes: dict[str, str],
-                    refs: dict[tuple[str, str], str], leases: list[list[Any]]) -> None:
+                    refs: dict[tuple[str, str], str], leases: list[list[Any]],
+                    policies: Iterable[list[bytes]] = ()) -> None:
         """Start an empty index from a checkpoint's tables (its objects come lazily)."""
         with self.env.begin(write=True) as txn:
+            for k, v in policies:
+                txn.put(bytes(k), bytes(v), db=self.policies)
             for name, vid in volumes.items():
                 txn.put(name.encode(), vid.encode(), db=self.volumes)
             for (vol, br), sid in refs.items():
@@ -248,11 +259,22 @@ def _refkey(vol: str, br: str) -> bytes:
     return f"{vol}\0{br}".encode()
 
 
+def _split_key(key: bytes) -> tuple[str, str]:
+    vol, _sep, br = key.decode().partition("\0")
+    return vol, br
+
+
 def apply_op_lmdb(txn: lmdb.Transaction, op: list[Any], ix: Index) -> None:
     kind = op[0]
     if kind == "state":  # the whole state follows in the same commit
-        for db in (ix.volumes, ix.refs, ix.leases):
+        for db in (ix.volumes, ix.refs, ix.leases, ix.policies):
             txn.drop(db, delete=False)
+    elif kind == "policy":  # the whole policy of one volume or branch; {} clears it
+        key = _refkey(str(op[1]), str(op[2] or ""))
+        if op[3]:
+            txn.put(key, json.dumps(dict(op[3]), sort_keys=True).encode(), db=ix.policies)
+        else:
+            txn.delete(key, db=ix.policies)
     elif kind == "vol+":
         vid = str(op[2]) if len(op) > 2 and isinstance(op[2], str) else ""
         txn.put(str(op[1]).encode(), vid.encode(), db=ix.volumes)
@@ -260,11 +282,12 @@ def apply_op_lmdb(txn: lmdb.Transaction, op: list[Any], ix: Index) -> None:
         vol = str(op[1])
         txn.delete(vol.encode(), db=ix.volumes)
         prefix = f"{vol}\0".encode()
-        cur = txn.cursor(db=ix.refs)
-        if cur.set_range(prefix):
-            while bytes(cur.key()).startswith(prefix):
-                if not cur.delete():
-                    break
+        for db in (ix.refs, ix.policies):
+            cur = txn.cursor(db=db)
+            if cur.set_range(prefix):
+                while bytes(cur.key()).startswith(prefix):
+                    if not cur.delete():
+                        break
     elif kind == "lease":
         holder = str(op[5]).encode()
         key = op[6] if len(op) > 6 and isinstance(op[6], bytes) else b""

@@ -20,6 +20,7 @@ keep the two in step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -130,14 +131,14 @@ class LocalStore(Store):
         self._branch_locks_guard = threading.Lock()
         # Garbage collection (engine/gc.py): what it must not take away.
         self.gate = gcmod.Gate()
-        self.pins = gcmod.Pins()
-        self.policies = gcmod.Policies(self.path)
+        self.policies = gcmod.Policies(self)
         self.gc_lock = threading.Lock()
         self._opened = time.monotonic()
         self._touched: dict[bytes, float] = {}  # uploaded or found present: oid -> when
         self._held: dict[bytes, tuple[int, float]] = {}  # transaction bases: count, when
         self._touched_guard = threading.Lock()
         try:
+            self.pins = gcmod.Pins(self.path)
             index = open_index(self.index_dir, self._packs, self.recovery)
             self._indexer = Indexer(index, lambda: self._journal.durable, self.recovery)
             if self._tier is not None:  # a restored store's index comes lazily
@@ -150,6 +151,7 @@ class LocalStore(Store):
                     self._indexer.has(bytes.fromhex(EMPTY_SNAPSHOT_ID))):
                 self.put_objects([(TREE, EMPTY_TREE), (SNAPSHOT, EMPTY_SNAPSHOT_RAW)])
                 self._journal.commit([])
+            self.policies.migrate_file(self.path)
         except BaseException:
             self._packs.close()
             self._lock.release()
@@ -841,6 +843,8 @@ class LocalStore(Store):
             return
         self._indexer.stop()
         self._journal.close(self._indexer.flush)
+        with contextlib.suppress(OSError):
+            self.pins.closed_cleanly()
         self._packs.close()  # the bucket tier ships, uploads and checkpoints first
         self.index.close()
         self._lock.release()

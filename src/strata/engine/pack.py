@@ -22,8 +22,10 @@ import zstandard
 from strata.engine.errors import Corrupt, InvalidInput
 
 PACK_MAGIC = b"STRATAPK"
-PACK_VERSION = 3          # what this strata writes
-PACK_VERSIONS = (1, 2, 3)  # what it reads
+PACK_VERSION = 4          # what this strata writes
+PACK_VERSIONS = (1, 2, 3, 4)  # what it reads
+# v4: as v3; a commit record may hold a ["policy"] op (retention policies live in the
+# journal): a v3 reader would drop it silently and keep the wrong history
 # v3: as v2; a commit record may hold a ["state"] op (garbage collection writes the
 # whole ref state before it deletes packs): a v2 reader would misread it
 # v2: magic, version, flags, pack number, created ns, store id, sync marker

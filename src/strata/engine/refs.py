@@ -1,4 +1,4 @@
-"""Branch heads, volumes and leases in memory: the pending view and the served view.
+"""Branch heads, volumes, leases and policies in memory: the pending view and the served view.
 
 Every change to them is a commit record's ops (docs/format.md). `Refs` holds
 them twice (docs/design.md, crash-safety rule 3): the *pending* view takes
@@ -33,6 +33,9 @@ class Refs:
         self.vol_ids = index.load_volume_ids()  # volume -> id drawn at its creation
         self.pending_vols = set(self.served_vols)
         self.pending = dict(self.served)
+        # Retention policies ("policy" ops): (volume, branch or "") -> fields.
+        self.policies = index.load_policies()
+        self.pending_policies = dict(self.policies)
         self._undurable: collections.deque[tuple[Pos, list[list[Any]]]] = collections.deque()
 
     def check(self, ops: list[list[Any]], expect: Sequence[tuple[str, str, str | None]]) -> None:
@@ -43,13 +46,14 @@ class Refs:
                 raise CasMismatch(vol, br, old, cur)
         created = {op[1] for op in ops if op[0] == "vol+"}
         for op in ops:
-            if op[0] in ("ref", "lease") and op[1] not in self.pending_vols | created:
+            if op[0] in ("ref", "lease", "policy") and op[1] not in self.pending_vols | created:
                 raise NotFound(f"no volume {op[1]!r}")  # deleted under our feet
 
     def stage(self, end: Pos, ops: list[list[Any]]) -> None:
         """A commit ending at `end` was appended: pending now, served once durable."""
         for op in ops:
             apply_op(op, self.pending_vols, self.pending)
+            apply_policy_op(op, self.pending_policies)
             if op[0] == "state":
                 self.leases.clear()
                 self.vol_ids.clear()
@@ -66,11 +70,28 @@ class Refs:
         if self._undurable and self._undurable[0][0] <= durable:
             # Copy, change, swap: readers iterate the old dicts without a lock.
             vols, refs = set(self.served_vols), dict(self.served)
+            policies = dict(self.policies)
             while self._undurable and self._undurable[0][0] <= durable:
                 _p, ops = self._undurable.popleft()
                 for op in ops:
                     apply_op(op, vols, refs)
-            self.served_vols, self.served = vols, refs
+                    apply_policy_op(op, policies)
+            self.served_vols, self.served, self.policies = vols, refs, policies
+
+
+def apply_policy_op(op: list[Any], policies: dict[Key, dict[str, Any]]) -> None:
+    kind = op[0]
+    if kind == "state":
+        policies.clear()
+    elif kind == "policy":
+        key = (str(op[1]), str(op[2] or ""))
+        if op[3]:
+            policies[key] = dict(op[3])
+        else:
+            policies.pop(key, None)
+    elif kind == "vol-":
+        for key in [k for k in policies if k[0] == op[1]]:
+            del policies[key]
 
 
 def apply_op(op: list[Any], vols: set[str], refs: dict[Key, str]) -> None:
@@ -101,6 +122,8 @@ def state_ops(refs: Refs) -> list[list[Any]]:
     ops += [["vol+", v, refs.vol_ids.get(v, "")] for v in sorted(refs.pending_vols)]
     ops += [["ref", v, b, None, sid] for (v, b), sid in sorted(refs.pending.items())]
     ops += [["lease", v, b, *lease[:4]] for (v, b), lease in sorted(refs.leases.items())]
+    ops += [["policy", v, b or None, fields]
+            for (v, b), fields in sorted(refs.pending_policies.items())]
     return ops
 
 

@@ -327,7 +327,8 @@ class TieredPacks(PackStore):
                         applied=tables["applied"], volumes=tables["volumes"],
                         refs=tables["refs"], leases=tables["leases"], packs=remote,
                         run=run_name, fences=fences, entries=entries, log_from=log_from,
-                        block_size=self._block_size, expired=tables["expired"])
+                        block_size=self._block_size, expired=tables["expired"],
+                        policies=tables["policies"])
         name = f"checkpoints/{stamp}"
         data = cp.encode()
         self.bucket.put_new(name, data)
@@ -926,7 +927,7 @@ def restore(url: str, store_dir: str, *, sync: str = "local",
     if cp is not None:
         index = Index(os.path.join(store_dir, "index"))
         try:
-            index.load_tables(cp.applied, cp.volumes, cp.refs, cp.leases)
+            index.load_tables(cp.applied, cp.volumes, cp.refs, cp.leases, cp.policies)
             stamp = struct.pack("<Q", time.time_ns())
             index.note_expired((sid, stamp) for sid in cp.expired)
         finally:

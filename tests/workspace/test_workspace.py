@@ -9,6 +9,8 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from conftest import WsEnv
 
 WRITER = str(Path(__file__).with_name("ws_writer.py"))
@@ -76,7 +78,19 @@ def test_attach_write_detach_attach_again(wsenv: WsEnv) -> None:
     assert log[0]["id"] == snap
     listing = json.loads(wsenv.run("workspace", "list", "--json").stdout)
     assert [(r["workspace"], r["attached"]) for r in listing] == [("dev@live", str(e))]
+    (e / "hello").write_bytes(b"changed\n")
+    subprocess.run(["sync", "-f", str(e)], check=True)
+    # The named snapshot, attached read-only beside the live workspace.
+    ro = wsenv.attach(f"dev#{snap[:12]}", "ro")
+    assert (ro / "hello").read_bytes() == b"hello\n"
+    with pytest.raises(OSError):
+        (ro / "new").write_bytes(b"x")
+    wsenv.detach(ro)
     wsenv.detach(e)
+    f = wsenv.attach("dev", "third")
+    assert (f / "hello").read_bytes() == b"changed\n"
+    assert not (f / "new").exists()
+    wsenv.detach(f)
 
 
 def test_attaching_what_is_not_a_workspace_is_refused(wsenv: WsEnv) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from strata.cli.common import (
@@ -32,8 +33,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_create)
 
     p = wsub.add_parser("attach", parents=[common],
-                        help="mount NAME[@BRANCH] on DIR, fencing any earlier holder")
-    p.add_argument("name", metavar="NAME[@BRANCH]")
+                        help="mount NAME[@BRANCH] on DIR, fencing any earlier holder "
+                             "(NAME#SNAPSHOT: that snapshot, read-only)")
+    p.add_argument("name", metavar="NAME[@BRANCH|#SNAPSHOT]")
     p.add_argument("dir", metavar="DIR")
     p.set_defaults(func=cmd_attach)
 
@@ -78,15 +80,22 @@ def cmd_create(args: argparse.Namespace) -> int:
 def cmd_attach(args: argparse.Namespace) -> int:
     from strata.workspace.attach import attach
     ref = parse_ref(args.name)
-    if ref.snapshot:
-        raise InvalidInput("attach a branch; fork a snapshot first to attach it")
     url = server_url(args)
-    token = getattr(args, "token", None)
+    token = getattr(args, "token", None) or os.environ.get("STRATA_TOKEN") or None
     if url is None:
         from strata.cli.common import ensure_server
         url = "unix:" + ensure_server(store_path(args))
-    att = attach(url, token, ref.volume, ref.branch or "live", args.dir)
-    print(f"attached {ref.volume}@{att.branch} at {att.dir}")
+    sid = ""
+    if ref.snapshot:
+        from strata.server.client import RemoteStore
+        store = RemoteStore(url, token)
+        try:
+            sid = ref.resolve(store)
+        finally:
+            store.close()
+    att = attach(url, token, ref.volume, ref.branch or "live", args.dir, snapshot=sid)
+    what = f"{ref.volume}#{sid[:12]} (read-only)" if sid else f"{ref.volume}@{att.branch}"
+    print(f"attached {what} at {att.dir}")
     return 0
 
 

@@ -62,6 +62,7 @@ class Attached:
     token: str | None = None
     pid: int = 0
     loop: str = ""
+    snapshot: str = ""   # set for a read-only attach of one snapshot
 
     @property
     def state_dir(self) -> str:
@@ -137,16 +138,28 @@ class Daemon:
         self.lease = ""
 
     def open(self) -> bool:
-        """Take the lease (fencing any earlier holder) and map the head; True if fresh."""
+        """Take the lease (fencing any earlier holder) and map the head; True if fresh.
+
+        A snapshot is attached read-only: no lease, and what the filesystem
+        writes (its journal replay) stays in memory and is dropped at detach.
+        """
         a = self.att
-        holder = f"{socket.gethostname()} pid {os.getpid()}"
-        self.lease = self.store.acquire_lease(a.volume, a.branch, LEASE_TTL, holder,
-                                              steal=True).id
-        head = self.store.head(a.volume, a.branch)
+        if a.snapshot:
+            head = a.snapshot
+        else:
+            holder = f"{socket.gethostname()} pid {os.getpid()}"
+            self.lease = self.store.acquire_lease(a.volume, a.branch, LEASE_TTL, holder,
+                                                  steal=True).id
+            head = self.store.head(a.volume, a.branch)
         layout = read_layout(self.store, head)
-        self.device = Device(self.store, a.volume, a.branch, head, layout, lease=self.lease)
+        self.device = Device(self.store, a.volume, a.branch, head, layout,
+                             lease=self.lease or None, scratch=bool(a.snapshot))
         root = self.store.snapshot(head).root
-        return next(iter(written_extents(Trees(self.store), root)), None) is None
+        fresh = next(iter(written_extents(Trees(self.store), root)), None) is None
+        if fresh and a.snapshot:
+            raise InvalidInput(f"snapshot {head[:12]} of {a.volume} was never formatted: "
+                               "there is nothing to mount")
+        return fresh
 
     def renew(self) -> None:
         dev = self.device
@@ -222,7 +235,8 @@ def _mount_fs(daemon: Daemon, fresh: bool) -> None:
         daemon.att.save()
         if fresh:
             subprocess.run([*MKFS, dev], check=True, capture_output=True)
-        p = subprocess.run(["mount", "-t", "ext4", "-o", MOUNT_OPTIONS, dev, daemon.att.dir],
+        options = MOUNT_OPTIONS + (",ro" if daemon.att.snapshot else "")
+        p = subprocess.run(["mount", "-t", "ext4", "-o", options, dev, daemon.att.dir],
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise DeviceError(f"mount failed: {p.stderr.strip()}")
@@ -258,7 +272,10 @@ def run_daemon(att: Attached, report: int | None) -> int:
     ctl = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     ctl.bind(ctl_path)
     ctl.listen(8)
-    for target, args in ((daemon.renew, ()), (daemon.write_back, ()), (daemon.control, (ctl,))):
+    threads: list[tuple[Any, tuple[Any, ...]]] = [(daemon.control, (ctl,))]
+    if not att.snapshot:
+        threads += [(daemon.renew, ()), (daemon.write_back, ())]
+    for target, args in threads:
         threading.Thread(target=target, args=args, daemon=True).start()
 
     def up() -> None:
@@ -281,20 +298,24 @@ def run_daemon(att: Attached, report: int | None) -> int:
         ctl.close()
         dev = daemon.device
         with contextlib.suppress(StrataError):
-            if not dev.fenced:
+            if not dev.fenced and not att.snapshot:
                 dev.flush()
                 store.release_lease(att.volume, att.branch, daemon.lease)
     return 0
 
 
-def attach(server: str, token: str | None, volume: str, branch: str, directory: str) -> Attached:
-    """Attach in a detached daemon; return once mounted (or raise its error)."""
+def attach(server: str, token: str | None, volume: str, branch: str, directory: str, *,
+           snapshot: str = "") -> Attached:
+    """Attach in a detached daemon; return once mounted (or raise its error).
+
+    With `snapshot`, that snapshot, read-only (the branch is only a label).
+    """
     directory = os.path.realpath(directory)
     if not os.path.isdir(directory):
         raise InvalidInput(f"{directory} is not a directory")
     if os.path.ismount(directory):
         raise InvalidInput(f"something is mounted on {directory} already")
-    att = Attached(volume, branch, directory, server, token)
+    att = Attached(volume, branch, directory, server, token, snapshot=snapshot)
     with contextlib.suppress(FileNotFoundError):
         if json.load(open(os.path.join(att.state_dir, "state.json"))).get("pid"):
             old = Attached.load(directory)
@@ -371,7 +392,8 @@ def detach(directory: str, *, timeout: float = 60.0) -> None:
 def snapshot(store: Store, volume: str, branch: str, message: str) -> str:
     """A named snapshot: through the daemon when attached here, else of the head."""
     for att in attached():
-        if (att.volume, att.branch) == (volume, branch) and _alive(att.pid):
+        if (att.volume, att.branch) == (volume, branch) and not att.snapshot \
+                and _alive(att.pid):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.connect(os.path.join(att.state_dir, "ctl"))
                 s.sendall(json.dumps({"op": "snapshot", "message": message}).encode() + b"\n")

@@ -108,13 +108,15 @@ class Device:
     """The block map of one workspace branch, served lazily, written back on flush."""
 
     def __init__(self, store: Store, volume: str, branch: str, head: str, layout: Layout,
-                 *, lease: str | None = None, cache_bytes: int = 256 << 20) -> None:
+                 *, lease: str | None = None, cache_bytes: int = 256 << 20,
+                 scratch: bool = False) -> None:
         self.store = store
         self.volume = volume
         self.branch = branch
         self.head = head
         self.layout = layout
         self.lease = lease
+        self.scratch = scratch   # a read-only view: writes stay in memory, never published
         self._trees = Trees(store)
         self._root = store.snapshot(head).root
         self._lock = threading.Lock()          # guards every map below
@@ -284,6 +286,8 @@ class Device:
         With a message, publish a snapshot even if nothing changed (a named
         point in the workspace's log).
         """
+        if self.scratch:
+            return self.head
         with self._flush_lock:
             self._check_writable()
             with self._lock:

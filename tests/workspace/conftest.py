@@ -66,3 +66,35 @@ def wsenv(tmp_path: Path) -> Iterator[WsEnv]:
     finally:
         cleanup(tmp_path)
         server.stop()
+
+
+def tiny_root(target: Path, programs: tuple[str, ...] = ("sh", "cat", "ls", "mkdir", "rm")
+              ) -> Path:
+    """A root filesystem of real binaries of this machine and the libraries they load."""
+    import shutil
+    files: set[str] = set()
+    for prog in programs:
+        path = shutil.which(prog)
+        assert path is not None, prog
+        files.add(os.path.realpath(path))
+        out = subprocess.run(["ldd", path], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            for p in parts:
+                if p.startswith("/"):
+                    files.add(p)
+                    files.add(os.path.realpath(p))
+    for f in files:
+        dest = target / f.lstrip("/")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dest)
+    (target / "bin").mkdir(exist_ok=True)
+    for prog in programs:
+        real = os.path.realpath(shutil.which(prog) or "")
+        link = target / "bin" / prog
+        if not link.exists():
+            link.symlink_to(real)
+    for d in ("proc", "dev", "tmp", "etc"):
+        (target / d).mkdir(exist_ok=True)
+    (target / "etc" / "hostname").write_text("seeded\n")
+    return target

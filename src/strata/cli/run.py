@@ -23,6 +23,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", type=parse_size, default=None, metavar="BYTES",
                    help="memory limit (suffixes K, M, G allowed)")
     p.add_argument("--network", action="store_true", help="allow network access")
+    p.add_argument("--root", metavar="ws:NAME[@BRANCH]", default=None,
+                   help="a workspace as the sandbox's whole root filesystem (durable, "
+                        "not a transaction: what the command writes stays)")
     p.add_argument("-m", "--message", default=None)
     p.add_argument("--merge-identical", action="store_true",
                    help="accept a path the head already holds exactly as this step left it; by "
@@ -33,6 +36,27 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_run)
 
 
+def _run_root(args: argparse.Namespace, argv: list[str]) -> int:
+    from strata.cli.common import parse_ref
+    from strata.run.runner import run_in_workspace
+    if not args.root.startswith("ws:"):
+        raise InvalidInput(f"--root takes ws:NAME[@BRANCH], not {args.root!r}")
+    if args.specs:
+        raise InvalidInput("--root with volumes (-v) is not supported yet")
+    ref = parse_ref(args.root[3:])
+    if ref.snapshot:
+        raise InvalidInput("--root takes a workspace branch, not a snapshot")
+    with open_remote(args) as store:
+        result = run_in_workspace(store, ref.volume, ref.branch or "live", argv,
+                                  sandbox=args.sandbox, timeout=args.timeout,
+                                  memory=args.memory, network=args.network)
+    if args.json:
+        print_json({"status": result.status, "run": result.run_id, "head":
+                    result.published.get(ref.volume), "timed_out": result.timed_out,
+                    "oom": result.oom, "timings": result.timings})
+    return result.status
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from strata.run.runner import run_step
     from strata.run.spec import parse_spec
@@ -41,6 +65,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         argv = argv[1:]
     if not argv:
         raise InvalidInput("no command given (strata run -v VOL -- CMD ...)")
+    if args.root is not None:
+        return _run_root(args, argv)
     specs = [parse_spec(s) for s in args.specs]
     if len({s.volume for s in specs}) != len(specs):
         raise InvalidInput("a volume appears twice")

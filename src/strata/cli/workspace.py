@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from typing import Any
 
@@ -30,6 +31,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="NAME")
     p.add_argument("--size", type=parse_size, default=20 << 30, metavar="BYTES",
                    help="device size (default 20G); never-written space costs nothing")
+    p.add_argument("--seed", metavar="DIR", default=None,
+                   help="copy DIR in (owners, modes, links, xattrs kept), e.g. a root "
+                        "filesystem mmdebstrap built")
     p.set_defaults(func=cmd_create)
 
     p = wsub.add_parser("attach", parents=[common],
@@ -73,8 +77,39 @@ def cmd_create(args: argparse.Namespace) -> int:
     size = -(-args.size // (1 << 20)) << 20  # whole extents
     with open_store(args) as store:
         head = create(store, args.name, Layout(size=size))
+    if args.seed is not None:
+        head = _seed(args, args.seed)
     print(head)
     return 0
+
+
+def _seed(args: argparse.Namespace, source: str) -> str:
+    import subprocess
+    import tempfile
+
+    from strata.workspace.attach import attach, detach
+    if not os.path.isdir(source):
+        raise InvalidInput(f"{source} is not a directory")
+    url = server_url(args)
+    if url is None:
+        from strata.cli.common import ensure_server
+        url = "unix:" + ensure_server(store_path(args))
+    token = getattr(args, "token", None) or os.environ.get("STRATA_TOKEN") or None
+    target = tempfile.mkdtemp(prefix="strata-seed-")
+    try:
+        attach(url, token, args.name, "live", target)
+        try:
+            p = subprocess.run(["cp", "-a", "--", os.path.join(source, "."), target],
+                               capture_output=True, text=True)
+            if p.returncode != 0:
+                raise InvalidInput(f"seeding failed: {p.stderr.strip()[-500:]}")
+        finally:
+            detach(target)
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(target)  # only when empty: never into a mounted workspace
+    with open_store(args) as store:
+        return store.head(args.name, "live")
 
 
 def cmd_attach(args: argparse.Namespace) -> int:

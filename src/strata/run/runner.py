@@ -227,6 +227,53 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
             shutil.rmtree(state.scratch, ignore_errors=True)
 
 
+def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,
+                     sandbox: str = "bwrap", timeout: float | None = None,
+                     memory: int | None = None, network: bool = False) -> StepResult:
+    """Run `argv` with an attached workspace as the sandbox's whole root filesystem.
+
+    A workspace is durable, not transactional: what the command wrote stays,
+    whatever its exit status, as on a machine's disk. The workspace is
+    attached for the command (fencing any other holder) and detached after,
+    which flushes it.
+    """
+    from strata.server.client import RemoteStore
+    from strata.workspace.attach import attach, detach
+    if not isinstance(store, RemoteStore):
+        raise StrataError("a workspace root needs a store server")
+    t0 = time.monotonic()
+    run_id = uuid.uuid4().hex[:12]
+    result = StepResult(run_id, 0)
+    work = os.path.join(scratch_root(), f"root-{run_id}")
+    root = os.path.join(work, "root")
+    os.makedirs(root)
+    try:
+        attach(store.url, store.token, volume, branch, root)
+        try:
+            cmd, env = build_command(sandbox, argv, "", network=network, workdir=work,
+                                     run_id=run_id, memory=memory, root=root)
+            result.timings["start"] = time.monotonic() - t0
+            t1 = time.monotonic()
+            outcome = run_command(cmd, env, cwd=root, timeout=timeout, memory=memory,
+                                  cgroup_name=f"strata-{run_id}")
+            result.timings["command"] = time.monotonic() - t1
+        finally:
+            detach(root)
+        result.status, result.timed_out, result.oom = (outcome.status, outcome.timed_out,
+                                                       outcome.oom)
+        if result.timed_out:
+            result.status = 124
+        result.published = {volume: store.head(volume, branch)}
+        return result
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(root)  # only when empty: never into a workspace still mounted
+        shutil.rmtree(os.path.join(work, "bundle"), ignore_errors=True)
+        shutil.rmtree(os.path.join(work, "runsc-root"), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(work)
+
+
 def _publish(store: Store, state: MountState, result: StepResult, argv: list[str],
              message: str | None, leases: dict[str, str], identical: bool) -> None:
     msg = message or f"run {result.run_id}: {' '.join(argv)[:200]}"

@@ -96,10 +96,17 @@ def _own_cgroup() -> dict[str, str]:
 
 
 def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
-                  workdir: str, run_id: str, memory: int | None
+                  workdir: str, run_id: str, memory: int | None, root: str | None = None
                   ) -> tuple[list[str], dict[str, str]]:
-    """The command line that runs `argv` in `sandbox`, and its environment."""
+    """The command line that runs `argv` in `sandbox`, and its environment.
+
+    With `root` (an attached workspace), that directory is the sandbox's whole
+    root filesystem, writable, in place of the host's read-only one.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+    if root is not None:
+        return _root_command(sandbox, argv, root, env, network=network, workdir=workdir,
+                             run_id=run_id, memory=memory)
     if sandbox == "none":
         env["STRATA_STORAGE"] = storage
         return argv, env
@@ -140,28 +147,58 @@ def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
     raise InvalidInput(f"unknown sandbox {sandbox!r} (use {', '.join(SANDBOXES)})")
 
 
+def _root_command(sandbox: str, argv: list[str], root: str, env: dict[str, str], *,
+                  network: bool, workdir: str, run_id: str, memory: int | None
+                  ) -> tuple[list[str], dict[str, str]]:
+    env = {k: v for k, v in env.items() if k in ("PATH", "LANG", "TERM", "HOME")}
+    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    if sandbox == "bwrap":
+        if shutil.which("bwrap") is None:
+            raise InvalidInput("bubblewrap (bwrap) is not installed")
+        cmd = ["bwrap", "--bind", root, "/", "--dev", "/dev", "--proc", "/proc",
+               "--tmpfs", "/tmp", "--unshare-all", "--die-with-parent", "--new-session",
+               "--chdir", "/"]
+        if network:
+            cmd.append("--share-net")
+        return [*cmd, "--", *argv], env
+    if sandbox == "gvisor":
+        if shutil.which("runsc") is None:
+            raise InvalidInput("gVisor (runsc) is not installed")
+        bundle = os.path.join(workdir, "bundle")
+        os.makedirs(bundle, exist_ok=True)
+        config = _oci_config(argv, env, "", network=network, memory=memory, root=root)
+        with open(os.path.join(bundle, "config.json"), "w") as f:
+            json.dump(config, f)
+        return ["runsc", "--root", os.path.join(workdir, "runsc-root"),
+                "--network=host" if network else "--network=none", "--platform=ptrace",
+                "--ignore-cgroups", "run", "--bundle", bundle, f"strata-{run_id}"], env
+    raise InvalidInput(f"a workspace root needs a sandbox (bwrap or gvisor), not {sandbox!r}")
+
+
 def _oci_config(argv: list[str], env: dict[str, str], storage: str, *, network: bool,
-                memory: int | None) -> dict[str, object]:
+                memory: int | None, root: str | None = None) -> dict[str, object]:
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
     if not network:
         namespaces.append({"type": "network"})
     linux: dict[str, object] = {"namespaces": namespaces}
     if memory:
         linux["resources"] = {"memory": {"limit": memory}}
+    mounts: list[dict[str, object]] = [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "nodev", "mode=1777"]},
+    ]
+    if root is None:
+        mounts.append({"destination": "/storage", "type": "bind", "source": storage,
+                       "options": ["rbind", "rw"]})
     return {
         "ociVersion": "1.0.0",
         "process": {"terminal": False, "user": {"uid": os.getuid(), "gid": os.getgid()},
-                    "args": argv, "cwd": "/storage",
+                    "args": argv, "cwd": "/" if root else "/storage",
                     "env": [f"{k}={v}" for k, v in env.items()]},
-        "root": {"path": "/", "readonly": True},
+        "root": {"path": root or "/", "readonly": root is None},
         "hostname": "strata-step",
-        "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc"},
-            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "nodev", "mode=1777"]},
-            {"destination": "/storage", "type": "bind", "source": storage,
-             "options": ["rbind", "rw"]},
-        ],
+        "mounts": mounts,
         "linux": linux,
     }
 

@@ -231,6 +231,57 @@ class Device:
             pos += n
         return len(data)
 
+    def try_write(self, offset: int, data: bytes) -> bool:
+        """`write` if it needs no fetch (every partly written block is in memory).
+
+        All or nothing, under one lock: the FUSE adapter calls this on its event
+        loop and falls back to `write` in a thread when it returns False.
+        """
+        self._check_writable()
+        if offset < 0 or offset + len(data) > self.layout.size:
+            return False
+        bs = self.layout.block
+        end = offset + len(data)
+        with self._lock:
+            first, last = offset // bs, (end - 1) // bs
+            for i in {first, last}:
+                lo, hi = max(offset - i * bs, 0), min(end - i * bs, bs)
+                if (lo, hi) != (0, bs) and self._pending(i) is None:
+                    return False
+            view = memoryview(data)
+            for i in range(first, last + 1):
+                lo, hi = max(offset - i * bs, 0), min(end - i * bs, bs)
+                piece = view[i * bs + lo - offset:i * bs + hi - offset]
+                if (lo, hi) == (0, bs):
+                    self._store_dirty(i, trim_zeros(bytes(piece)))
+                    continue
+                base = self._pending(i)
+                assert base is not None
+                buf = bytearray(base)
+                if len(buf) < hi:
+                    buf.extend(bytes(hi - len(buf)))
+                buf[lo:hi] = piece
+                self._store_dirty(i, trim_zeros(bytes(buf)))
+        return True
+
+    def try_read(self, offset: int, size: int) -> bytes | None:
+        """`read` if every block is in memory (or a known hole), else None."""
+        end = min(offset + size, self.layout.size)
+        bs = self.layout.block
+        out = []
+        with self._lock:
+            pos = offset
+            while pos < end:
+                i, lo = divmod(pos, bs)
+                n = min(bs - lo, end - pos)
+                data = self._pending(i)
+                if data is None:
+                    return None
+                data = data[lo:lo + n]
+                out.append(data + bytes(n - len(data)) if len(data) < n else data)
+                pos += n
+        return b"".join(out)
+
     def _set(self, i: int, content: bytes) -> None:
         with self._lock:
             self._store_dirty(i, content)

@@ -98,9 +98,16 @@ class Operations(pyfuse3.Operations):
         return fi
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        return await _call(self.device.read, off, size)
+        data = self.device.try_read(off, size)  # in memory: no thread hop
+        return data if data is not None else await _call(self.device.read, off, size)
 
     async def write(self, fh: int, off: int, buf: bytes) -> int:
+        try:
+            if self.device.try_write(off, buf):  # nothing to fetch: no thread hop
+                return len(buf)
+        except DeviceError as exc:
+            print(f"strata workspace: {exc}", flush=True)
+            raise pyfuse3.FUSEError(errno.EIO) from None
         return await _call(self.device.write, off, buf)
 
     async def fsync(self, fh: int, datasync: bool) -> None:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from bench import bucket, engine, gc, mount, server, speed, steps, ui
+from bench import bucket, engine, gc, mount, server, speed, steps, ui, workspace
 from bench.report import print_table
 
 
@@ -20,9 +20,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     ap.add_argument("--churn-rounds", type=int, default=None,
                     help="rounds of the GC churn on a mount (default 20, 5 with --quick)")
-    ap.add_argument("--only", default="engine,server,bucket,gc,mount,steps,ui,speed",
+    ap.add_argument("--only", default="engine,server,bucket,gc,mount,steps,ui,speed,workspace",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
-                         "steps, ui, speed)")
+                         "steps, ui, speed, workspace)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -51,6 +51,10 @@ def main() -> None:
     if speed_rows:
         print_table("strata speed (issue 12): the same work without strata in the same run",
                     speed_rows)
+    ws_rows = workspace.run(args.dir, quick=args.quick) if "workspace" in groups else []
+    if ws_rows:
+        print_table("strata workspaces (issue 11): baselines from the same run", ws_rows)
+    speed_rows += ws_rows
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows + mount_rows + step_rows + speed_rows, f, indent=2)

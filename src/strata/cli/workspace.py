@@ -31,6 +31,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="NAME")
     p.add_argument("--size", type=parse_size, default=20 << 30, metavar="BYTES",
                    help="device size (default 20G); never-written space costs nothing")
+    p.add_argument("--block-size", type=parse_size, default=64 << 10, metavar="BYTES",
+                   help="the unit of storage and of lazy fetches (4K..1M, default 64K)")
     p.add_argument("--seed", metavar="DIR", default=None,
                    help="copy DIR in (owners, modes, links, xattrs kept), e.g. a root "
                         "filesystem mmdebstrap built")
@@ -76,7 +78,7 @@ def cmd_create(args: argparse.Namespace) -> int:
     from strata.workspace.device import Layout
     size = -(-args.size // (1 << 20)) << 20  # whole extents
     with open_store(args) as store:
-        head = create(store, args.name, Layout(size=size))
+        head = create(store, args.name, Layout(size=size, block=args.block_size))
     if args.seed is not None:
         head = _seed(args, args.seed)
     print(head)

@@ -192,10 +192,36 @@ class Device:
             data = self._pending(i)
         return self._fetch(i) if data is None else data
 
+    def _fetch_many(self, blocks: list[int]) -> None:
+        """Bring published blocks into the cache with one request (a read's misses)."""
+        per = self.layout.per_extent
+        want: dict[bytes, list[int]] = {}
+        for i in blocks:
+            oid = self._extent_ids(i // per)[i % per]
+            if oid != ZERO_ID:
+                want.setdefault(oid, []).append(i)
+        if not want:
+            return
+        ids = list(want)
+        got = self.store.get_objects(ids)
+        with self._lock:
+            for oid, raw in zip(ids, got, strict=True):
+                if len(raw) > self.layout.block:
+                    raise DeviceError(f"block {oid.hex()} is longer than a block")
+                for i in want[oid]:
+                    if self._pending(i) is None:
+                        self._remember(i, raw)
+
     def read(self, offset: int, size: int) -> bytes:
         """`size` bytes at `offset` (short at the end of the device)."""
         end = min(offset + size, self.layout.size)
         bs = self.layout.block
+        if end - offset > bs:
+            with self._lock:
+                missing = [i for i in range(offset // bs, (end - 1) // bs + 1)
+                           if self._pending(i) is None]
+            if len(missing) > 1:
+                self._fetch_many(missing)
         out = []
         pos = offset
         while pos < end:

@@ -101,3 +101,40 @@ def test_attaching_what_is_not_a_workspace_is_refused(wsenv: WsEnv) -> None:
     p = wsenv.run("workspace", "attach", "plain", str(wsenv.root / "d"), rc=None)
     assert p.returncode != 0 and "not a workspace" in p.stderr
     assert not os.path.ismount(wsenv.root / "d")
+
+
+def _extents(wsenv: WsEnv, name: str) -> int:
+    from strata.engine.tree import Trees
+    from strata.server.client import RemoteStore, default_socket
+    from strata.workspace.device import written_extents
+    store = RemoteStore("unix:" + default_socket(str(wsenv.store)))
+    try:
+        root = store.snapshot(store.head(name, "live")).root
+        return len(list(written_extents(Trees(store), root)))
+    finally:
+        store.close()
+
+
+def test_detach_gives_back_what_the_filesystem_freed(wsenv: WsEnv) -> None:
+    wsenv.run("workspace", "create", "dev", "--size", "2G")
+    d = wsenv.attach("dev", "w")
+    (d / "big").write_bytes(os.urandom(32 << 20))
+    subprocess.run(["sync", "-f", str(d)], check=True)
+    full = _extents(wsenv, "dev")
+    assert full >= 32
+    (d / "big").unlink()
+    (d / "small").write_bytes(b"kept\n")
+    wsenv.detach(d)
+    assert _extents(wsenv, "dev") <= full - 30  # the file's extents are holes again
+    e = wsenv.attach("dev", "again")
+    assert (e / "small").read_bytes() == b"kept\n"
+    assert not (e / "big").exists()
+    wsenv.detach(e)
+
+
+def test_free_ranges_read_from_dumpe2fs() -> None:
+    from strata.workspace.attach import free_ranges
+    out = ("Free blocks:              1000\nBlock size:               4096\n"
+           "Group 0: (Blocks 0-32767)\n  Free blocks: 10-19, 30\n  Free inodes: 12-100\n"
+           "Group 1: (Blocks 32768-65535)\n  Free blocks: \n")
+    assert free_ranges(out) == [(10 * 4096, 10 * 4096), (30 * 4096, 4096)]

@@ -204,13 +204,38 @@ class Daemon:
         with conn, conn.makefile("rwb") as f:
             try:
                 req = json.loads(f.readline(65536))
-                if not isinstance(req, dict) or req.get("op") != "snapshot":
+                op = req.get("op") if isinstance(req, dict) else None
+                if op == "snapshot":
+                    head = self.snapshot(str(req.get("message") or "snapshot"))
+                    reply: dict[str, Any] = {"ok": True, "head": head}
+                elif op == "trim":
+                    reply = {"ok": True, "trimmed": self.trim()}
+                else:
                     raise InvalidInput("unknown request")
-                head = self.snapshot(str(req.get("message") or "snapshot"))
-                reply: dict[str, Any] = {"ok": True, "head": head}
             except (StrataError, OSError, ValueError) as exc:
                 reply = {"ok": False, "error": str(exc)}
             f.write(json.dumps(reply).encode() + b"\n")
+
+    def trim(self) -> int:
+        """Punch what the unmounted filesystem has free; return the bytes punched.
+
+        ext4 cannot discard through this device (pyfuse3 has no FUSE fallocate),
+        so detach reads the free-block bitmaps once the filesystem is unmounted
+        (clean, nothing writing) and makes those blocks holes.
+        """
+        dev = self.device
+        assert dev is not None
+        if dev.scratch or dev.fenced:
+            return 0
+        p = subprocess.run(["dumpe2fs", os.path.join(self.devdir, "disk")],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            raise DeviceError(f"dumpe2fs failed: {p.stderr.strip()[-300:]}")
+        ranges = free_ranges(p.stdout)
+        for start, length in ranges:
+            dev.punch(start, length)
+        dev.flush()
+        return sum(n for _s, n in ranges)
 
     def snapshot(self, message: str) -> str:
         """Freeze the filesystem (clean on the device), publish a named snapshot, thaw."""
@@ -225,6 +250,36 @@ class Daemon:
                 fcntl.ioctl(fd, FITHAW, 0)
         finally:
             os.close(fd)
+
+
+def free_ranges(dumpe2fs: str) -> list[tuple[int, int]]:
+    """(offset, length) in bytes of every free range `dumpe2fs` lists per group."""
+    bsize = 0
+    out: list[tuple[int, int]] = []
+    for line in dumpe2fs.splitlines():
+        if line.startswith("Block size:"):
+            bsize = int(line.split(":")[1])
+        elif line.startswith("  Free blocks: ") and bsize:
+            for part in line.split(":", 1)[1].split(","):
+                part = part.strip()
+                if not part:
+                    continue
+                a, _, b = part.partition("-")
+                first, last = int(a), int(b or a)
+                out.append((first * bsize, (last - first + 1) * bsize))
+    return out
+
+
+def _ask(att: Attached, request: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(os.path.join(att.state_dir, "ctl"))
+        s.sendall(json.dumps(request).encode() + b"\n")
+        reply = json.loads(s.makefile("rb").readline(65536))
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        raise InvalidInput(f"{request.get('op')} failed: "
+                           f"{reply.get('error') if isinstance(reply, dict) else reply}")
+    return reply
 
 
 def _mount_fs(daemon: Daemon, fresh: bool) -> None:
@@ -375,6 +430,9 @@ def detach(directory: str, *, timeout: float = 60.0) -> None:
     p = subprocess.run(["umount", att.dir], capture_output=True, text=True)
     if p.returncode != 0 and os.path.ismount(att.dir):
         raise InvalidInput(f"cannot detach {att.dir}: {p.stderr.strip()}")
+    if not att.snapshot and _alive(att.pid):
+        with contextlib.suppress(StrataError, OSError, ValueError):
+            _ask(att, {"op": "trim"})  # free blocks become holes; keeping them is safe too
     devdir = os.path.join(att.state_dir, "dev")
     deadline = time.monotonic() + timeout
     while True:  # the loop device lets go of the FUSE file once autoclear has run
@@ -394,13 +452,7 @@ def snapshot(store: Store, volume: str, branch: str, message: str) -> str:
     for att in attached():
         if (att.volume, att.branch) == (volume, branch) and not att.snapshot \
                 and _alive(att.pid):
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.connect(os.path.join(att.state_dir, "ctl"))
-                s.sendall(json.dumps({"op": "snapshot", "message": message}).encode() + b"\n")
-                reply = json.loads(s.makefile("rb").readline(65536))
-            if not reply.get("ok"):
-                raise InvalidInput(f"snapshot failed: {reply.get('error')}")
-            return str(reply["head"])
+            return str(_ask(att, {"op": "snapshot", "message": message})["head"])
     head = store.head(volume, branch)
     read_layout(store, head)
     return store.publish([ChangeSet(volume, branch, head, {SNAPSHOT_PATH: snapshot_entry(message)},

@@ -129,6 +129,7 @@ class Device:
         self._flushing: dict[int, bytes] = {}    # being published now
         self._dirty_bytes = 0
         self._writes = 0                         # counts writes, for read-modify-write
+        self._written: set[int] | None = None    # extents the head holds, once listed
         self.fenced: str | None = None           # why writes are refused, once fenced
         self.flushes = 0
 
@@ -337,19 +338,44 @@ class Device:
             fetched = self._fetch(i)  # outside the lock; then patch what is current
 
     def punch(self, offset: int, size: int) -> None:
-        """Make [offset, offset+size) read as zeros: whole blocks become holes."""
+        """Make [offset, offset+size) read as zeros: whole blocks become holes.
+
+        Whole extents that were never written (and hold nothing dirty) are
+        skipped, so punching a mostly empty device costs what was written.
+        """
         self._check_writable()
-        bs = self.layout.block
+        bs, ext, per = self.layout.block, self.layout.extent, self.layout.per_extent
         end = min(offset + size, self.layout.size)
+        written = self._written_extents()
         pos = offset
         while pos < end:
+            x = pos // ext
+            if pos == x * ext and end >= (x + 1) * ext:  # the whole extent
+                with self._lock:
+                    busy = any(i in self._dirty or i in self._flushing
+                               for i in range(x * per, (x + 1) * per))
+                if x in written or busy:
+                    for i in range(x * per, (x + 1) * per):
+                        self._set(i, b"")
+                pos = (x + 1) * ext
+                continue
             i, lo = divmod(pos, bs)
-            n = min(bs - lo, end - pos)
+            n = min(bs - lo, end - pos, (x + 1) * ext - pos)
             if n == bs:
                 self._set(i, b"")
             else:
                 self._patch(i, lo, memoryview(bytes(n)))
             pos += n
+
+    def _written_extents(self) -> set[int]:
+        """Extents the published head holds (listed once, then kept up to date)."""
+        if self._written is None:
+            found = set(written_extents(self._trees, self._root))
+            with self._lock:
+                if self._written is None:
+                    self._written = found | {x for x, ids in self._extents.items()
+                                             if any(oid != ZERO_ID for oid in ids)}
+        return self._written
 
     @property
     def dirty_bytes(self) -> int:
@@ -432,6 +458,12 @@ class Device:
             raise DeviceError(self.fenced) from exc
         with self._lock:
             self._extents.update(new_ids)
+            if self._written is not None:
+                for x, new in new_ids.items():
+                    if any(oid != ZERO_ID for oid in new):
+                        self._written.add(x)
+                    else:
+                        self._written.discard(x)
             self.head = head  # extents not cached yet are unchanged since `_root`
         return head
 

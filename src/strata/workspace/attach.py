@@ -315,7 +315,9 @@ def run_daemon(att: Attached, report: int | None) -> int:
     daemon = Daemon(store, att)
     os.makedirs(daemon.devdir, exist_ok=True)
     try:
+        t0 = time.monotonic()
         fresh = daemon.open()
+        t_open = time.monotonic() - t0
     except StrataError as exc:
         tell(str(exc).encode())
         return 1
@@ -335,7 +337,11 @@ def run_daemon(att: Attached, report: int | None) -> int:
 
     def up() -> None:
         try:
+            t1 = time.monotonic()
             _mount_fs(daemon, fresh)
+            print(f"attached {att.volume}@{att.branch} at {att.dir}: lease and head "
+                  f"{t_open * 1e3:.0f} ms, {'mkfs and ' if fresh else ''}mount "
+                  f"{(time.monotonic() - t1) * 1e3:.0f} ms", flush=True)
         except (OSError, subprocess.CalledProcessError, StrataError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
             tell(f"{exc} {detail.decode(errors='replace') if isinstance(detail, bytes) else detail}"

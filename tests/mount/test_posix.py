@@ -726,7 +726,7 @@ def _scan_reads(sm: SharedMount) -> int:
     store = RemoteStore(f"unix:{sm.env.store / 'serve.sock'}")
     try:
         before = _rchar()
-        scan_volume(store, state, state.volumes[0])
+        scan_volume(store, state, state.volumes[0], cache=False)  # what a full scan reads
         return _rchar() - before
     finally:
         store.close()

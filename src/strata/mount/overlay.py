@@ -36,6 +36,7 @@ from strata.engine.objects import (
     object_id,
 )
 from strata.engine.tree import Trees, encode_name
+from strata.mount.statcache import Key, StatCache, stat_key
 
 OVERLAY_PREFIX = b"trusted.overlay."  # overlayfs' own markers, never published
 OPAQUE = OVERLAY_PREFIX + b"opaque"
@@ -152,6 +153,12 @@ class Scan:
     objects: ObjectSet = field(default_factory=ObjectSet)  # to upload
     files_hashed: int = 0
     bytes_hashed: int = 0
+    # Every regular file's lstat key and entry (before link groups), for the stat cache,
+    # and the paths whose entry came from that cache instead of being read.
+    seen: dict[str, tuple[Key, Entry]] = field(default_factory=dict)
+    cached: set[str] = field(default_factory=set)
+    stamp_ns: int | None = None  # the upper filesystem's time when the scan began
+    cache_ignored: str = ""      # why a stat cache on disk was not used
 
     def summary(self) -> list[dict[str, str]]:
         out = []
@@ -182,10 +189,12 @@ class UpperScanner:
     when a commit touches a linked file from the snapshot.
     """
 
-    def __init__(self, trees: Trees, lower_root: Entry, block_size: int) -> None:
+    def __init__(self, trees: Trees, lower_root: Entry, block_size: int,
+                 cache: StatCache | None = None) -> None:
         self.trees = trees
         self.lower_root = lower_root
         self.block_size = block_size
+        self.cache = cache  # entries of files unchanged since they were published
 
     def scan(self, upper: str) -> Scan:
         out = Scan()
@@ -245,7 +254,7 @@ class UpperScanner:
             linked = statmod.S_ISREG(st.st_mode) and st.st_nlink > 1
             # A linked name is published even when it equals the lower file: every
             # name of the group must carry the group's inode and count.
-            entry = self._leaf(d.path, st, lower, out, keep=linked)
+            entry = self._leaf(d.path, path, st, lower, out, keep=linked)
             if entry is not None:
                 out.changes[path] = entry
             if linked:
@@ -290,11 +299,25 @@ class UpperScanner:
             out.changes[path] = mine  # merge directory: attributes only
         self._walk(real, path, lower, lower_parts, out, links, touched, redirects)
 
-    def _leaf(self, real: str, st: os.stat_result, lower: Entry | None, out: Scan,
+    def _leaf(self, real: str, path: str, st: os.stat_result, lower: Entry | None, out: Scan,
               keep: bool = False) -> Entry | None:
         """A non-directory's entry (None for a file equal to `lower`, unless `keep`)."""
         if not statmod.S_ISREG(st.st_mode):
             return localfile.entry(real, st, exclude=OVERLAY_PREFIX)
+        key = stat_key(st)
+        e = self.cache.get(path, key) if self.cache is not None else None
+        if e is not None:
+            # Published by the last commit and unchanged since (statcache.py says
+            # why the key is enough): its objects are in the store already.
+            out.cached.add(path)
+        else:
+            e = self._read_file(real, st, lower, out)
+        out.seen[path] = (key, e)
+        return None if _same_file(e, lower) and not keep else e
+
+    def _read_file(self, real: str, st: os.stat_result, lower: Entry | None, out: Scan
+                   ) -> Entry:
+        """A regular file's entry, read and hashed; its new objects go into `out`."""
         size = st.st_size
         out.files_hashed += 1
         out.bytes_hashed += size
@@ -313,13 +336,12 @@ class UpperScanner:
 
         content = localfile.file_content(real, size, bs, put)
         if not isinstance(content, FileNode):
-            e = localfile.entry(real, st, exclude=OVERLAY_PREFIX, size=size, data=content)
-            return None if _same_file(e, lower) and not keep else e
+            return localfile.entry(real, st, exclude=OVERLAY_PREFIX, size=size, data=content)
         node = content.encode()
         ref = object_id(FILENODE, node)
         e = localfile.entry(real, st, exclude=OVERLAY_PREFIX, size=size, ref=ref)
-        if _same_file(e, lower) and not keep:
-            return None
+        if _same_file(e, lower):
+            return e  # the snapshot's own file: nothing to upload
         lower_blocks: set[bytes] = set()
         if lower is not None and lower.kind == K_FILE and lower.ref is not None:
             with contextlib.suppress(StrataError, ValueError):

@@ -27,6 +27,7 @@ from strata.engine.errors import NotFound
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.objects import K_DIR, Entry, FileNode, packb
 from strata.engine.tree import Trees, encode_name
+from strata.mount import statcache
 from strata.mount.overlay import (
     MountError,
     ObjectSet,
@@ -78,6 +79,10 @@ class MountState:
 
     def target(self, v: VolumeState) -> str:
         return self.mountpoint if self.single else os.path.join(self.mountpoint, v.name)
+
+    def index(self, v: VolumeState) -> str:
+        """The volume's stat cache (mount/statcache.py): what its last commit read."""
+        return os.path.join(self.scratch, "index", v.name or "_")
 
     def lower_of(self, v: VolumeState) -> str:
         return self.lower if self.single else os.path.join(self.lower, v.name)
@@ -164,17 +169,37 @@ def subprocess_bind(src: str, target: str) -> None:
     subprocess.run(["mount", "-o", "remount,ro,bind", target], capture_output=True)
 
 
-def scan_volume(store: Store, state: MountState, v: VolumeState) -> Scan:
+def scan_volume(store: Store, state: MountState, v: VolumeState, *,
+                cache: bool = True) -> Scan:
+    """The volume's upper directory as a change set against its pinned snapshot.
+
+    With `cache`, files unchanged since the last commit take their entries
+    from the stat cache instead of being read again, and the scan notes the
+    upper filesystem's time at its start (`stamp_ns`) for the next save.
+    """
     trees = Trees(store)
     lower_root = store.snapshot(v.pinned).root
-    return UpperScanner(trees, lower_root, store.block_size).scan(state.upper(v))
+    upper = state.upper(v)
+    known: statcache.StatCache | None = None
+    stamp_ns = None
+    if cache:
+        index = state.index(v)
+        os.makedirs(os.path.dirname(index), mode=0o700, exist_ok=True)
+        now, dev = statcache.fs_now(os.path.dirname(index))
+        if dev == os.lstat(upper).st_dev:  # else its clock is not the upper files' clock
+            stamp_ns = now
+            known = statcache.load(index, volume=v.volume, pinned=v.pinned, base=v.base)
+    scan = UpperScanner(trees, lower_root, store.block_size, known).scan(upper)
+    scan.stamp_ns = stamp_ns
+    scan.cache_ignored = known.ignored if known is not None else ""
+    return scan
 
 
 def entry_digest(e: Entry | None) -> str:
     return blake3.blake3(packb(None if e is None else e.to_list())).hexdigest()[:24]
 
 
-def pending(store: Store, state: MountState, v: VolumeState
+def pending(store: Store, state: MountState, v: VolumeState, *, cache: bool = True
             ) -> tuple[dict[str, Entry | None], Scan]:
     """What this volume's next commit publishes: changes since its last commit.
 
@@ -183,7 +208,7 @@ def pending(store: Store, state: MountState, v: VolumeState
     paths it did not touch again (and cannot conflict on them). A path that
     was published but is back to its pinned state is set back.
     """
-    scan = scan_volume(store, state, v)
+    scan = scan_volume(store, state, v, cache=cache)
     changes: dict[str, Entry | None] = {}
     for path, e in scan.changes.items():
         if v.published.get(path) != entry_digest(e):
@@ -213,6 +238,13 @@ def pending(store: Store, state: MountState, v: VolumeState
             if e is not None and e.kind == K_DIR:
                 e = e.with_(ref=None)  # back to those attributes, contents untouched
             changes[path] = e
+    # An entry from the stat cache names objects a commit published; if one is to
+    # be published again (below a replaced directory) and the store has lost
+    # them since (its snapshots expired), read the files again.
+    again = [e.ref for p, e in changes.items()
+             if p in scan.cached and e is not None and e.ref is not None]
+    if again and store.missing(again):
+        return pending(store, state, v, cache=False)
     return changes, scan
 
 
@@ -246,16 +278,19 @@ class CommitResult:
 
 def commit(store: Store, state: MountState, *, message: str = "",
            meta: dict[str, Any] | None = None, names: list[str] | None = None,
-           leases: dict[str, str] | None = None, identical: bool = False) -> CommitResult:
+           leases: dict[str, str] | None = None, identical: bool = False,
+           remember: bool = True) -> CommitResult:
     """Publish the mount's volumes (all, or `names`) in one atomic commit.
 
     `identical` accepts paths the head already holds exactly as the mount
     has them (see ChangeSet.identical); off, any path changed since the
-    mount's snapshot that the mount also changed conflicts.
+    mount's snapshot that the mount also changed conflicts. `remember`
+    keeps a stat cache of what was published for the next scan (a step's
+    mount, committed once and dropped, has no use for it).
     """
     t0 = time.monotonic()
     todo = [v for v in state.volumes if not v.readonly and (names is None or v.name in names)]
-    work = [(v, *pending(store, state, v)) for v in todo]
+    work = [(v, *pending(store, state, v, cache=remember)) for v in todo]
     changesets = []
     objects: dict[bytes, ObjectSet] = {}  # id -> the scan that can read it
     for v, changes, scan in work:
@@ -273,6 +308,11 @@ def commit(store: Store, state: MountState, *, message: str = "",
             v.base = next(moved)
         v.published = {p: entry_digest(e) for p, e in scan.changes.items()}
         published[v.name or v.volume] = v.base
+        if scan.stamp_ns is not None:
+            # Before state.json: a crash in between leaves a cache made for a base
+            # the state does not name yet, which the next scan ignores.
+            statcache.save(state.index(v), volume=v.volume, pinned=v.pinned, base=v.base,
+                           stamp_ns=scan.stamp_ns, seen=scan.seen)
     state.save()
     return CommitResult(published, sum(len(c) for _v, c, _s in work), sent,
                         time.monotonic() - t0)
@@ -339,7 +379,10 @@ def status(store: Store, state: MountState) -> dict[str, Any]:
         changes, scan = pending(store, state, v)
         out[v.name or v.volume] = {
             "volume": v.volume, "branch": v.branch, "pinned": v.pinned, "base": v.base,
-            "changes": scan.summary(), "uncommitted": sorted(changes)}
+            "changes": scan.summary(), "uncommitted": sorted(changes),
+            "read": {"files": scan.files_hashed, "bytes": scan.bytes_hashed,
+                     "from_stat_cache": len(scan.cached),
+                     "stat_cache_ignored": scan.cache_ignored}}
     return out
 
 

@@ -232,7 +232,8 @@ def _publish(store: Store, state: MountState, result: StepResult, argv: list[str
     msg = message or f"run {result.run_id}: {' '.join(argv)[:200]}"
     meta = {"run": result.run_id, "argv": argv[:64]}
     try:
-        done = commit(store, state, message=msg, meta=meta, leases=leases, identical=identical)
+        done = commit(store, state, message=msg, meta=meta, leases=leases, identical=identical,
+                      remember=False)
         result.published = {name: sid for name, sid in done.published.items()
                             if any(v.name == name and not v.readonly for v in state.volumes)}
     except Conflict as exc:
@@ -248,7 +249,7 @@ def _keep_rejected(store: Store, state: MountState, result: StepResult, msg: str
     for v in state.volumes:
         if v.readonly:
             continue
-        changes, scan = pending(store, state, v)
+        changes, scan = pending(store, state, v, cache=False)
         if not changes:
             continue
         with contextlib.suppress(StrataError):

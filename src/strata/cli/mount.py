@@ -177,8 +177,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         print(f"pinned {short(vol['pinned'])}, last published {short(vol['base'])}, "
               f"{len(vol['uncommitted'])} uncommitted path(s)")
-        for c in vol["changes"]:
-            print(f"{c['change']:>9}  {c['path']}")
+        if vol["changes"]:  # one write: a mount may list tens of thousands
+            print("\n".join(f"{c['change']:>9}  {c['path']}" for c in vol["changes"]))
     return 0
 
 

@@ -154,10 +154,12 @@ class Scan:
     files_hashed: int = 0
     bytes_hashed: int = 0
     # Every regular file's lstat key and entry (before link groups), for the stat cache,
-    # and the paths whose entry came from that cache instead of being read.
+    # and the paths whose entry came from that cache instead of being read (with the
+    # entry's digest as the cache holds it).
     seen: dict[str, tuple[Key, Entry]] = field(default_factory=dict)
-    cached: set[str] = field(default_factory=set)
+    cached: dict[str, str] = field(default_factory=dict)
     stamp_ns: int | None = None  # the upper filesystem's time when the scan began
+    digests: dict[str, str] = field(default_factory=dict)  # of `changes`, set by pending()
     cache_ignored: str = ""      # why a stat cache on disk was not used
 
     def summary(self) -> list[dict[str, str]]:
@@ -305,11 +307,11 @@ class UpperScanner:
         if not statmod.S_ISREG(st.st_mode):
             return localfile.entry(real, st, exclude=OVERLAY_PREFIX)
         key = stat_key(st)
-        e = self.cache.get(path, key) if self.cache is not None else None
-        if e is not None:
+        hit = self.cache.get(path, key) if self.cache is not None else None
+        if hit is not None:
             # Published by the last commit and unchanged since (statcache.py says
             # why the key is enough): its objects are in the store already.
-            out.cached.add(path)
+            e, out.cached[path] = hit
         else:
             e = self._read_file(real, st, lower, out)
         out.seen[path] = (key, e)

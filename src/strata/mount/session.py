@@ -210,9 +210,10 @@ def pending(store: Store, state: MountState, v: VolumeState, *, cache: bool = Tr
     """
     scan = scan_volume(store, state, v, cache=cache)
     changes: dict[str, Entry | None] = {}
-    for path, e in scan.changes.items():
-        if v.published.get(path) != entry_digest(e):
-            changes[path] = e
+    scan.digests = _digests(scan)
+    for path, d in scan.digests.items():
+        if v.published.get(path) != d:
+            changes[path] = scan.changes[path]
     # A directory replaced whole (opaque, or renamed from elsewhere) is sent again
     # whenever its attributes change, e.g. its mtime when a file is added. It then
     # replaces what the head holds there, so everything the mount has beneath it
@@ -246,6 +247,15 @@ def pending(store: Store, state: MountState, v: VolumeState, *, cache: bool = Tr
     if again and store.missing(again):
         return pending(store, state, v, cache=False)
     return changes, scan
+
+
+def _digests(scan: Scan) -> dict[str, str]:
+    """entry_digest of every change; the stat cache has those of files it gave back."""
+    out = {}
+    for path, e in scan.changes.items():
+        d = scan.cached.get(path)
+        out[path] = d if d is not None and scan.seen[path][1] is e else entry_digest(e)
+    return out
 
 
 def _seen_without_change(trees: Trees, root: Entry, changes: dict[str, Entry | None],
@@ -306,13 +316,15 @@ def commit(store: Store, state: MountState, *, message: str = "",
     for v, changes, scan in work:
         if changes:
             v.base = next(moved)
-        v.published = {p: entry_digest(e) for p, e in scan.changes.items()}
+        v.published = scan.digests
         published[v.name or v.volume] = v.base
         if scan.stamp_ns is not None:
             # Before state.json: a crash in between leaves a cache made for a base
             # the state does not name yet, which the next scan ignores.
+            seen = {p: (key, e, scan.digests[p] if scan.changes.get(p) is e
+                        else entry_digest(e)) for p, (key, e) in scan.seen.items()}
             statcache.save(state.index(v), volume=v.volume, pinned=v.pinned, base=v.base,
-                           stamp_ns=scan.stamp_ns, seen=scan.seen)
+                           stamp_ns=scan.stamp_ns, seen=seen)
     state.save()
     return CommitResult(published, sum(len(c) for _v, c, _s in work), sent,
                         time.monotonic() - t0)

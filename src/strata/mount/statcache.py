@@ -35,7 +35,7 @@ from typing import Any
 
 import blake3
 
-from strata.engine.objects import Entry, packb, unpackb
+from strata.engine.objects import K_FILE, Entry, packb, unpackb
 
 MAGIC = b"STRATASC"
 VERSION = 1
@@ -50,14 +50,23 @@ def stat_key(st: os.stat_result) -> Key:
 
 @dataclass
 class StatCache:
-    """Entries remembered by path, and why a file on disk was not used (if it was not)."""
+    """Files remembered by path, and why a file on disk was not used (if it was not).
 
-    entries: dict[str, tuple[Key, Entry]] = field(default_factory=dict)
+    A record is the file's row of the body (see `save`), kept as decoded;
+    its entry is built only when a scan asks for that path.
+    """
+
+    records: dict[str, list[Any]] = field(default_factory=dict)
     ignored: str = ""
 
-    def get(self, path: str, key: Key) -> Entry | None:
-        hit = self.entries.get(path)
-        return hit[1] if hit is not None and hit[0] == key else None
+    def get(self, path: str, key: Key) -> tuple[Entry, str] | None:
+        """The entry remembered for `path` and its digest, if `key` is still its key."""
+        r = self.records.get(path)
+        if r is None or (r[1], r[2], r[3], r[4], r[5]) != key:
+            return None
+        e = Entry(K_FILE, r[6], r[7], r[8], r[2], r[1], r[9], r[10], 0,
+                  tuple((bytes(k), bytes(v)) for k, v in r[11]) if r[11] else (), 0, 1)
+        return e, r[12]
 
 
 def fs_now(directory: str) -> tuple[int, int]:
@@ -108,26 +117,37 @@ def _decode(doc: Any, volume: str, pinned: str, base: str) -> StatCache:
     if (doc[0], doc[1], doc[2]) != (volume, pinned, base):
         return StatCache(ignored=f"made for {doc[0]} at {str(doc[2])[:12]} "
                                  f"(pinned {str(doc[1])[:12]})")
-    out: dict[str, tuple[Key, Entry]] = {}
-    for rec in doc[4]:
-        if not isinstance(rec, list) or len(rec) != 7 or not isinstance(rec[0], bytes):
-            raise ValueError("a file record is not [path, 5 stat fields, entry]")
-        key = (int(rec[1]), int(rec[2]), int(rec[3]), int(rec[4]), int(rec[5]))
-        out[os.fsdecode(rec[0])] = (key, Entry.from_list(rec[6]))
+    out: dict[str, list[Any]] = {}
+    for r in doc[4]:
+        # The checksum vouches that this strata wrote it; the types are checked
+        # anyway, cheaply, since an entry built from them is published as is.
+        if (not isinstance(r, list) or len(r) != 13 or not isinstance(r[0], bytes)
+                or not all(type(x) is int for x in r[1:9])
+                or not (r[9] is None or (isinstance(r[9], bytes) and len(r[9]) == 32))
+                or not (r[10] is None or isinstance(r[10], bytes))
+                or (r[9] is None) == (r[10] is None)
+                or not (r[11] is None or isinstance(r[11], list))
+                or not isinstance(r[12], str)):
+            raise ValueError("a file record does not have the documented fields")
+        out[os.fsdecode(r[0])] = r
     return StatCache(out)
 
 
 def save(path: str, *, volume: str, pinned: str, base: str, stamp_ns: int,
-         seen: dict[str, tuple[Key, Entry]]) -> int:
+         seen: dict[str, tuple[Key, Entry, str]]) -> int:
     """Write what a commit published; returns how many files it remembers.
 
-    Files whose mtime or ctime is not older than `stamp_ns` (the scan's
-    start, from fs_now) are left out: see the racy-clean rule above. No
-    fsync: a torn file fails its checksum and is rebuilt, at the cost of one
-    full scan.
+    `seen` maps each regular file's path to its stat key, its entry and the
+    entry's digest (as state.json's digests are made). Files whose mtime or
+    ctime is not older than `stamp_ns` (the scan's start, from fs_now) are
+    left out: see the racy-clean rule above. No fsync: a torn file fails its
+    checksum and is rebuilt, at the cost of one full scan.
     """
-    files = [[os.fsencode(p), *key, e.to_list()] for p, (key, e) in sorted(seen.items())
-             if key[1] < stamp_ns and key[2] < stamp_ns]
+    files = [[os.fsencode(p), *key, e.mode, e.uid, e.gid, e.ref, e.data,
+              [list(x) for x in e.xattrs] or None, digest]
+             for p, (key, e, digest) in sorted(seen.items())
+             if key[1] < stamp_ns and key[2] < stamp_ns
+             and e.kind == K_FILE and e.mtime_ns == key[1] and e.size == key[0]]
     body = packb([volume, pinned, base, stamp_ns, files])
     tmp = f"{path}.tmp{os.getpid()}"
     try:

@@ -37,7 +37,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="present volumes as subdirectories even for one REF")
     p.add_argument("--background", action="store_true",
                    help="return once the mount is ready and keep serving in the background")
-    p.set_defaults(func=cmd_mount)
+    p.set_defaults(func=cmd_mount, exit_at_once=True)
 
     c = sub.add_parser("commit", parents=[common], help="publish a mount's changes")
     c.add_argument("dir", metavar="DIR")

@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import os
 import stat as statmod
-import subprocess
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from strata import localfile
 from strata.engine.errors import StrataError, Unavailable
@@ -48,13 +48,48 @@ class MountError(StrataError):
     """A mount or unmount system call failed."""
 
 
-def mount_overlay(lower: str, upper: str, work: str, target: str) -> None:
+MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
+MNT_DETACH = 2
+
+
+def sys_mount(source: str, target: str, fstype: str | None, flags: int, data: str | None,
+              what: str) -> None:
+    """The mount(2) system call, raising MountError.
+
+    A step mounts and unmounts three times; running mount(8) or umount(8)
+    for each cost a fork and an exec of a program that reads the mount table.
+    """
+    import ctypes
+    libc = _libc()
+    if libc.mount(os.fsencode(source), os.fsencode(target),
+                  None if fstype is None else fstype.encode(), ctypes.c_ulong(flags),
+                  None if data is None else os.fsencode(data)) != 0:
+        err = ctypes.get_errno()
+        raise MountError(f"{what} on {target} failed: {os.strerror(err)}")
+
+
+_LIBC: list[Any] = []
+
+
+def _libc() -> Any:
+    if not _LIBC:
+        import ctypes
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
+
+
+def mount_overlay(lower: str, upper: str, work: str, target: str, *,
+                  volatile: bool = False) -> None:
+    """Mount overlayfs on `target`; `volatile` skips every sync of the upper directory.
+
+    Only for a scratch that is thrown away whenever its process dies (a
+    step's): syncs there buy nothing, and the one at unmount writes back the
+    upper filesystem.
+    """
     _adopt_root(lower, upper)
     opts = f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}"
-    p = subprocess.run(["mount", "-t", "overlay", "strata", "-o", opts, target],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        raise MountError(f"overlay mount on {target} failed: {p.stderr.strip()}")
+    sys_mount("strata", target, "overlay", 0, opts + (",volatile" if volatile else ""),
+              "overlay mount")
 
 
 def _adopt_root(lower: str, upper: str) -> None:
@@ -74,10 +109,10 @@ def _adopt_root(lower: str, upper: str) -> None:
 
 
 def unmount(target: str, *, lazy: bool = False) -> None:
-    args = ["umount", "-l", target] if lazy else ["umount", target]
-    p = subprocess.run(args, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise MountError(f"unmount of {target} failed: {p.stderr.strip()}")
+    import ctypes
+    if _libc().umount2(os.fsencode(target), MNT_DETACH if lazy else 0) != 0:
+        err = ctypes.get_errno()
+        raise MountError(f"unmount of {target} failed: {os.strerror(err)}")
 
 
 def is_mountpoint(path: str) -> bool:

@@ -19,6 +19,7 @@ import threading
 import time
 
 from strata.engine.errors import StrataError
+from strata.mount.overlay import MountError, unmount
 from strata.mount.session import MountState, mount_overlays, teardown
 from strata.server.client import RemoteStore
 
@@ -88,7 +89,8 @@ def start(state: MountState, *, background: bool, watch_pid: int | None = None,
         except Exception as exc:
             os.write(wfd, str(exc).encode())
             os.close(wfd)
-            os.system(f"umount -l {state.lower}")
+            with contextlib.suppress(MountError):
+                unmount(state.lower, lazy=True)
             return
         os.write(wfd, b"ok")
         os.close(wfd)

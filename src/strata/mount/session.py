@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import time
@@ -29,12 +30,16 @@ from strata.engine.objects import K_DIR, Entry, FileNode, packb
 from strata.engine.tree import Trees, encode_name
 from strata.mount import statcache
 from strata.mount.overlay import (
+    MS_BIND,
+    MS_RDONLY,
+    MS_REMOUNT,
     MountError,
     ObjectSet,
     Scan,
     UpperScanner,
     is_mountpoint,
     mount_overlay,
+    sys_mount,
     unmount,
 )
 
@@ -138,11 +143,8 @@ def mount_overlays(state: MountState) -> None:
     try:
         if not state.single:
             # Volumes appear as DIR/NAME on a small private tmpfs, gone with the mount.
-            import subprocess
-            p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755",
-                                "strata-root", state.mountpoint], capture_output=True, text=True)
-            if p.returncode != 0:
-                raise MountError(f"mounting the volume directory failed: {p.stderr.strip()}")
+            sys_mount("strata-root", state.mountpoint, "tmpfs", 0, "size=1m,mode=0755",
+                      "mounting the volume directory")
             done.append(state.mountpoint)
         for v in state.volumes:
             target = state.target(v)
@@ -151,7 +153,9 @@ def mount_overlays(state: MountState) -> None:
             if v.readonly:
                 subprocess_bind(state.lower_of(v), target)
             else:
-                mount_overlay(state.lower_of(v), state.upper(v), state.work(v), target)
+                # A step's scratch goes whenever its runner dies: no sync of it helps.
+                mount_overlay(state.lower_of(v), state.upper(v), state.work(v), target,
+                              volatile="run" in state.extra)
             done.append(target)
     except BaseException:
         for t in reversed(done):
@@ -161,12 +165,10 @@ def mount_overlays(state: MountState) -> None:
 
 
 def subprocess_bind(src: str, target: str) -> None:
-    import subprocess
-    p = subprocess.run(["mount", "--bind", "-o", "ro", src, target], capture_output=True,
-                       text=True)
-    if p.returncode != 0:
-        raise MountError(f"read-only bind mount on {target} failed: {p.stderr.strip()}")
-    subprocess.run(["mount", "-o", "remount,ro,bind", target], capture_output=True)
+    sys_mount(src, target, None, MS_BIND, None, "read-only bind mount")
+    with contextlib.suppress(MountError):  # the FUSE view below is read-only anyway
+        sys_mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None,
+                  "read-only remount")
 
 
 def scan_volume(store: Store, state: MountState, v: VolumeState, *,
@@ -417,9 +419,7 @@ def teardown(state: MountState, *, lazy: bool = False) -> None:
     if is_mountpoint(state.lower):
         unmount(state.lower, lazy=True)
     if state.pid and state.pid != os.getpid():
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and _alive(state.pid):
-            time.sleep(0.02)
+        _wait_exit(state.pid, 5.0)
         if _alive(state.pid):
             with contextlib.suppress(OSError):
                 os.kill(state.pid, signal.SIGTERM)
@@ -467,6 +467,24 @@ def sweep_abandoned_steps(root: str | None = None) -> list[str]:
         shutil.rmtree(scratch, ignore_errors=True)
         removed.append(scratch)
     return removed
+
+
+def _wait_exit(pid: int, timeout: float) -> None:
+    """Wait up to `timeout` for `pid` (not our child) to exit: woken by its pidfd."""
+    deadline = time.monotonic() + timeout
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        fd = -1  # gone already, or no pidfds here: poll
+    try:
+        while _alive(pid) and (left := deadline - time.monotonic()) > 0:
+            if fd >= 0:
+                select.select([fd], [], [], min(left, 0.1))
+            else:
+                time.sleep(0.005)
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _alive(pid: int) -> bool:

@@ -194,6 +194,7 @@ class Scan:
     seen: dict[str, tuple[Key, Entry]] = field(default_factory=dict)
     cached: dict[str, str] = field(default_factory=dict)
     stamp_ns: int | None = None  # the upper filesystem's time when the scan began
+    known: StatCache | None = None  # the stat cache the scan used
     digests: dict[str, str] = field(default_factory=dict)  # of `changes`, set by pending()
     cache_ignored: str = ""      # why a stat cache on disk was not used
 

@@ -19,7 +19,7 @@ import shutil
 import signal
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import blake3
@@ -95,8 +95,13 @@ class MountState:
     def save(self) -> None:
         # It may hold a bearer token: owner-only, like the directory around it.
         tmp = os.path.join(self.scratch, "state.json.tmp")
+        # Fields one level deep, by hand: asdict() copies every published digest
+        # recursively, and with indent json wrote one line per digest (together
+        # a quarter of a second of each commit with 20k published files).
+        doc = {f.name: getattr(self, f.name) for f in fields(self)}
+        doc["volumes"] = [{f.name: getattr(v, f.name) for f in fields(v)} for v in self.volumes]
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump({**asdict(self)}, f, indent=1)
+            f.write(json.dumps(doc, separators=(",", ":")))
         os.rename(tmp, os.path.join(self.scratch, "state.json"))
 
     @classmethod
@@ -193,6 +198,7 @@ def scan_volume(store: Store, state: MountState, v: VolumeState, *,
             known = statcache.load(index, volume=v.volume, pinned=v.pinned, base=v.base)
     scan = UpperScanner(trees, lower_root, store.block_size, known).scan(upper)
     scan.stamp_ns = stamp_ns
+    scan.known = known
     scan.cache_ignored = known.ignored if known is not None else ""
     return scan
 
@@ -323,13 +329,25 @@ def commit(store: Store, state: MountState, *, message: str = "",
         if scan.stamp_ns is not None:
             # Before state.json: a crash in between leaves a cache made for a base
             # the state does not name yet, which the next scan ignores.
-            seen = {p: (key, e, scan.digests[p] if scan.changes.get(p) is e
-                        else entry_digest(e)) for p, (key, e) in scan.seen.items()}
             statcache.save(state.index(v), volume=v.volume, pinned=v.pinned, base=v.base,
-                           stamp_ns=scan.stamp_ns, seen=seen)
+                           stamp_ns=scan.stamp_ns, files=_cache_rows(scan))
     state.save()
     return CommitResult(published, sum(len(c) for _v, c, _s in work), sent,
                         time.monotonic() - t0)
+
+
+def _cache_rows(scan: Scan) -> list[list[Any]]:
+    """The stat cache's rows for what this scan saw (rows it gave back are kept as read)."""
+    known = scan.known.records if scan.known is not None else {}
+    rows = []
+    for path, (key, e) in scan.seen.items():
+        row = known[path] if path in scan.cached else None
+        if row is None:
+            digest = scan.digests[path] if scan.changes.get(path) is e else entry_digest(e)
+            row = statcache.record(path, key, e, digest, scan.stamp_ns or 0)
+        if row is not None:
+            rows.append(row)
+    return rows
 
 
 def upload_changes(store: Store, changes: dict[str, Entry | None], scan: Scan

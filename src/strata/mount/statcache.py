@@ -133,21 +133,27 @@ def _decode(doc: Any, volume: str, pinned: str, base: str) -> StatCache:
     return StatCache(out)
 
 
-def save(path: str, *, volume: str, pinned: str, base: str, stamp_ns: int,
-         seen: dict[str, tuple[Key, Entry, str]]) -> int:
-    """Write what a commit published; returns how many files it remembers.
+def record(path: str, key: Key, e: Entry, digest: str, stamp_ns: int) -> list[Any] | None:
+    """A file's row of the body, or None when it may not be remembered.
 
-    `seen` maps each regular file's path to its stat key, its entry and the
-    entry's digest (as state.json's digests are made). Files whose mtime or
-    ctime is not older than `stamp_ns` (the scan's start, from fs_now) are
-    left out: see the racy-clean rule above. No fsync: a torn file fails its
-    checksum and is rebuilt, at the cost of one full scan.
+    `digest` is the entry's digest as state.json's are made. A file whose
+    mtime or ctime is not older than `stamp_ns` (the scan's start, from
+    fs_now) is left out: see the racy-clean rule above.
     """
-    files = [[os.fsencode(p), *key, e.mode, e.uid, e.gid, e.ref, e.data,
-              [list(x) for x in e.xattrs] or None, digest]
-             for p, (key, e, digest) in sorted(seen.items())
-             if key[1] < stamp_ns and key[2] < stamp_ns
-             and e.kind == K_FILE and e.mtime_ns == key[1] and e.size == key[0]]
+    if not (key[1] < stamp_ns and key[2] < stamp_ns and e.kind == K_FILE
+            and e.mtime_ns == key[1] and e.size == key[0]):
+        return None
+    return [os.fsencode(path), *key, e.mode, e.uid, e.gid, e.ref, e.data,
+            [list(x) for x in e.xattrs] or None, digest]
+
+
+def save(path: str, *, volume: str, pinned: str, base: str, stamp_ns: int,
+         files: list[list[Any]]) -> None:
+    """Write what a commit published: rows from `record`, or rows of the cache it read.
+
+    No fsync: a torn file fails its checksum and is rebuilt, at the cost of
+    one full scan.
+    """
     body = packb([volume, pinned, base, stamp_ns, files])
     tmp = f"{path}.tmp{os.getpid()}"
     try:
@@ -159,4 +165,3 @@ def save(path: str, *, volume: str, pinned: str, base: str, stamp_ns: int,
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    return len(files)

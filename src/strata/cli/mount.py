@@ -154,7 +154,8 @@ def cmd_commit(args: argparse.Namespace) -> int:
                         identical=args.merge_identical)
     if args.json:
         print_json({"published": result.published, "changed": result.changed_paths,
-                    "uploaded_bytes": result.uploaded_bytes, "seconds": result.seconds})
+                    "uploaded_bytes": result.uploaded_bytes, "seconds": result.seconds,
+                    "read": {"files": result.read_files, "bytes": result.read_bytes}})
     else:
         for sid in result.published.values():
             print(sid)

@@ -292,6 +292,8 @@ class CommitResult:
     changed_paths: int
     uploaded_bytes: int         # objects sent: only those the store lacked
     seconds: float
+    read_files: int = 0         # files the scans read and hashed (not from the stat cache)
+    read_bytes: int = 0
 
 
 def commit(store: Store, state: MountState, *, message: str = "",
@@ -333,7 +335,8 @@ def commit(store: Store, state: MountState, *, message: str = "",
                            stamp_ns=scan.stamp_ns, files=_cache_rows(scan))
     state.save()
     return CommitResult(published, sum(len(c) for _v, c, _s in work), sent,
-                        time.monotonic() - t0)
+                        time.monotonic() - t0, sum(s.files_hashed for _v, _c, s in work),
+                        sum(s.bytes_hashed for _v, _c, s in work))
 
 
 def _cache_rows(scan: Scan) -> list[list[Any]]:

@@ -117,7 +117,17 @@ def _read_all(fd: int) -> bytes:
 
 
 def _ready(rfd: int) -> str | None:
-    msg = _read_all(rfd)
+    """None once the mount process says "ok", else its error (or that it died).
+
+    "ok" is enough: waiting for the pipe to close as well (the mount process's
+    thread closes it right after writing) once took 0.24 s on a busy machine.
+    """
+    msg = b""
+    try:
+        while not msg.startswith(b"ok") and (chunk := os.read(rfd, 4096)):
+            msg += chunk
+    finally:
+        os.close(rfd)
     return None if msg.startswith(b"ok") else (
         msg.decode(errors="replace") or "the mount process died")
 

@@ -726,7 +726,7 @@ def _scan_reads(sm: SharedMount) -> int:
     store = RemoteStore(f"unix:{sm.env.store / 'serve.sock'}")
     try:
         before = _rchar()
-        scan_volume(store, state, state.volumes[0])
+        scan_volume(store, state, state.volumes[0], cache=False)  # what a full scan reads
         return _rchar() - before
     finally:
         store.close()
@@ -738,9 +738,11 @@ def _rchar() -> int:
 
 
 def _upper_usage(sm: SharedMount) -> int:
-    out = subprocess.run(["du", "-s", "--block-size=1", str(sm.root / "scratch")],
+    # Upper directories only: a commit also rewrites the mount's state and stat cache.
+    uppers = [str(p) for p in (sm.root / "scratch").glob("*/upper")]
+    out = subprocess.run(["du", "-s", "-c", "--block-size=1", *uppers],
                          capture_output=True, text=True, check=True).stdout
-    return int(out.split()[0])
+    return int(out.splitlines()[-1].split()[0])
 
 
 # -- xattrs ------------------------------------------------------------------------------------

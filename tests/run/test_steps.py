@@ -124,6 +124,28 @@ def test_sigkill_of_the_runner_publishes_nothing(senv: StepEnv, sandbox: str) ->
     assert senv.ls("v") == ["g"]
 
 
+@pytest.mark.parametrize("end", ["sigkill", "cancel"])
+def test_a_mount_process_never_handed_a_step_exits(end: str) -> None:
+    """A mount process forked for a step that never got its mount exits.
+
+    The runner forks it first; dying (or giving up) before the mount exists
+    must not leave that process waiting.
+    """
+    import sys
+    code = ("import os, signal, sys\n"
+            "from strata.mount.process import Prepared\n"
+            "p = Prepared(watch_pid=os.getpid())\n"
+            "print('forked', flush=True)\n"
+            + ("os.kill(os.getpid(), signal.SIGKILL)\n" if end == "sigkill" else "p.cancel()\n"))
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    # The mount process holds the runner's stdout until it exits (or hands it to its
+    # log): the end of the pipe is the end of that process.
+    out, err = p.communicate(timeout=60)
+    assert out == b"forked\n", err
+    assert p.returncode == (-signal.SIGKILL if end == "sigkill" else 0), err
+
+
 @needs_bwrap
 def test_read_only_volume_refuses_writes_and_rw_lands(senv: StepEnv) -> None:
     senv.run("volume", "create", "ref")

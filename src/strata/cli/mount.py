@@ -37,7 +37,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="present volumes as subdirectories even for one REF")
     p.add_argument("--background", action="store_true",
                    help="return once the mount is ready and keep serving in the background")
-    p.set_defaults(func=cmd_mount)
+    p.set_defaults(func=cmd_mount, exit_at_once=True)
 
     c = sub.add_parser("commit", parents=[common], help="publish a mount's changes")
     c.add_argument("dir", metavar="DIR")
@@ -154,7 +154,8 @@ def cmd_commit(args: argparse.Namespace) -> int:
                         identical=args.merge_identical)
     if args.json:
         print_json({"published": result.published, "changed": result.changed_paths,
-                    "uploaded_bytes": result.uploaded_bytes, "seconds": result.seconds})
+                    "uploaded_bytes": result.uploaded_bytes, "seconds": result.seconds,
+                    "read": {"files": result.read_files, "bytes": result.read_bytes}})
     else:
         for sid in result.published.values():
             print(sid)
@@ -177,8 +178,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         print(f"pinned {short(vol['pinned'])}, last published {short(vol['base'])}, "
               f"{len(vol['uncommitted'])} uncommitted path(s)")
-        for c in vol["changes"]:
-            print(f"{c['change']:>9}  {c['path']}")
+        if vol["changes"]:  # one write: a mount may list tens of thousands
+            print("\n".join(f"{c['change']:>9}  {c['path']}" for c in vol["changes"]))
     return 0
 
 

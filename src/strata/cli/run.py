@@ -33,7 +33,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                         "for idempotent jobs: for a read-modify-write it loses an update)")
     p.add_argument("--json", action="store_true")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, exit_at_once=True)
 
 
 def _run_root(args: argparse.Namespace, argv: list[str]) -> int:

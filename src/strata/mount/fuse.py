@@ -8,17 +8,33 @@ across opens.
 
 from __future__ import annotations
 
+import ctypes.util
 import errno
 import os
 import stat as statmod
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import pyfuse3
-import trio
+_real_find_library = ctypes.util.find_library
 
-from strata.engine.objects import K_DIR, K_FILE, FileNode
-from strata.mount.vfs import FsError, Node, SnapshotFS
+
+def _find_library(name: str) -> str | None:
+    # trio looks up libpthread when imported, only to name its threads, and
+    # find_library runs `ldconfig -p` in a child process for that: 18 ms of every
+    # mount and every step. The C library already loaded answers (glibc 2.34 and
+    # later hold pthread_setname_np; elsewhere trio finds none and names nothing).
+    return "libc.so.6" if name == "pthread" else _real_find_library(name)
+
+
+ctypes.util.find_library = _find_library
+try:
+    import pyfuse3
+    import trio
+finally:
+    ctypes.util.find_library = _real_find_library
+
+from strata.engine.objects import K_DIR, K_FILE, FileNode  # noqa: E402
+from strata.mount.vfs import FsError, Node, SnapshotFS  # noqa: E402
 
 T = TypeVar("T")
 CACHE_SECONDS = 86400.0

@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import os
 import stat as statmod
-import subprocess
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from strata import localfile
 from strata.engine.errors import StrataError, Unavailable
@@ -36,6 +36,7 @@ from strata.engine.objects import (
     object_id,
 )
 from strata.engine.tree import Trees, encode_name
+from strata.mount.statcache import Key, StatCache, stat_key
 
 OVERLAY_PREFIX = b"trusted.overlay."  # overlayfs' own markers, never published
 OPAQUE = OVERLAY_PREFIX + b"opaque"
@@ -47,13 +48,48 @@ class MountError(StrataError):
     """A mount or unmount system call failed."""
 
 
-def mount_overlay(lower: str, upper: str, work: str, target: str) -> None:
+MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
+MNT_DETACH = 2
+
+
+def sys_mount(source: str, target: str, fstype: str | None, flags: int, data: str | None,
+              what: str) -> None:
+    """The mount(2) system call, raising MountError.
+
+    A step mounts and unmounts three times; running mount(8) or umount(8)
+    for each cost a fork and an exec of a program that reads the mount table.
+    """
+    import ctypes
+    libc = _libc()
+    if libc.mount(os.fsencode(source), os.fsencode(target),
+                  None if fstype is None else fstype.encode(), ctypes.c_ulong(flags),
+                  None if data is None else os.fsencode(data)) != 0:
+        err = ctypes.get_errno()
+        raise MountError(f"{what} on {target} failed: {os.strerror(err)}")
+
+
+_LIBC: list[Any] = []
+
+
+def _libc() -> Any:
+    if not _LIBC:
+        import ctypes
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
+
+
+def mount_overlay(lower: str, upper: str, work: str, target: str, *,
+                  volatile: bool = False) -> None:
+    """Mount overlayfs on `target`; `volatile` skips every sync of the upper directory.
+
+    Only for a scratch that is thrown away whenever its process dies (a
+    step's): syncs there buy nothing, and the one at unmount writes back the
+    upper filesystem.
+    """
     _adopt_root(lower, upper)
     opts = f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}"
-    p = subprocess.run(["mount", "-t", "overlay", "strata", "-o", opts, target],
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        raise MountError(f"overlay mount on {target} failed: {p.stderr.strip()}")
+    sys_mount("strata", target, "overlay", 0, opts + (",volatile" if volatile else ""),
+              "overlay mount")
 
 
 def _adopt_root(lower: str, upper: str) -> None:
@@ -73,10 +109,10 @@ def _adopt_root(lower: str, upper: str) -> None:
 
 
 def unmount(target: str, *, lazy: bool = False) -> None:
-    args = ["umount", "-l", target] if lazy else ["umount", target]
-    p = subprocess.run(args, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise MountError(f"unmount of {target} failed: {p.stderr.strip()}")
+    import ctypes
+    if _libc().umount2(os.fsencode(target), MNT_DETACH if lazy else 0) != 0:
+        err = ctypes.get_errno()
+        raise MountError(f"unmount of {target} failed: {os.strerror(err)}")
 
 
 def is_mountpoint(path: str) -> bool:
@@ -152,6 +188,15 @@ class Scan:
     objects: ObjectSet = field(default_factory=ObjectSet)  # to upload
     files_hashed: int = 0
     bytes_hashed: int = 0
+    # Every regular file's lstat key and entry (before link groups), for the stat cache,
+    # and the paths whose entry came from that cache instead of being read (with the
+    # entry's digest as the cache holds it).
+    seen: dict[str, tuple[Key, Entry]] = field(default_factory=dict)
+    cached: dict[str, str] = field(default_factory=dict)
+    stamp_ns: int | None = None  # the upper filesystem's time when the scan began
+    known: StatCache | None = None  # the stat cache the scan used
+    digests: dict[str, str] = field(default_factory=dict)  # of `changes`, set by pending()
+    cache_ignored: str = ""      # why a stat cache on disk was not used
 
     def summary(self) -> list[dict[str, str]]:
         out = []
@@ -182,10 +227,12 @@ class UpperScanner:
     when a commit touches a linked file from the snapshot.
     """
 
-    def __init__(self, trees: Trees, lower_root: Entry, block_size: int) -> None:
+    def __init__(self, trees: Trees, lower_root: Entry, block_size: int,
+                 cache: StatCache | None = None) -> None:
         self.trees = trees
         self.lower_root = lower_root
         self.block_size = block_size
+        self.cache = cache  # entries of files unchanged since they were published
 
     def scan(self, upper: str) -> Scan:
         out = Scan()
@@ -245,7 +292,7 @@ class UpperScanner:
             linked = statmod.S_ISREG(st.st_mode) and st.st_nlink > 1
             # A linked name is published even when it equals the lower file: every
             # name of the group must carry the group's inode and count.
-            entry = self._leaf(d.path, st, lower, out, keep=linked)
+            entry = self._leaf(d.path, path, st, lower, out, keep=linked)
             if entry is not None:
                 out.changes[path] = entry
             if linked:
@@ -290,11 +337,25 @@ class UpperScanner:
             out.changes[path] = mine  # merge directory: attributes only
         self._walk(real, path, lower, lower_parts, out, links, touched, redirects)
 
-    def _leaf(self, real: str, st: os.stat_result, lower: Entry | None, out: Scan,
+    def _leaf(self, real: str, path: str, st: os.stat_result, lower: Entry | None, out: Scan,
               keep: bool = False) -> Entry | None:
         """A non-directory's entry (None for a file equal to `lower`, unless `keep`)."""
         if not statmod.S_ISREG(st.st_mode):
             return localfile.entry(real, st, exclude=OVERLAY_PREFIX)
+        key = stat_key(st)
+        hit = self.cache.get(path, key) if self.cache is not None else None
+        if hit is not None:
+            # Published by the last commit and unchanged since (statcache.py says
+            # why the key is enough): its objects are in the store already.
+            e, out.cached[path] = hit
+        else:
+            e = self._read_file(real, st, lower, out)
+        out.seen[path] = (key, e)
+        return None if _same_file(e, lower) and not keep else e
+
+    def _read_file(self, real: str, st: os.stat_result, lower: Entry | None, out: Scan
+                   ) -> Entry:
+        """A regular file's entry, read and hashed; its new objects go into `out`."""
         size = st.st_size
         out.files_hashed += 1
         out.bytes_hashed += size
@@ -313,13 +374,12 @@ class UpperScanner:
 
         content = localfile.file_content(real, size, bs, put)
         if not isinstance(content, FileNode):
-            e = localfile.entry(real, st, exclude=OVERLAY_PREFIX, size=size, data=content)
-            return None if _same_file(e, lower) and not keep else e
+            return localfile.entry(real, st, exclude=OVERLAY_PREFIX, size=size, data=content)
         node = content.encode()
         ref = object_id(FILENODE, node)
         e = localfile.entry(real, st, exclude=OVERLAY_PREFIX, size=size, ref=ref)
-        if _same_file(e, lower) and not keep:
-            return None
+        if _same_file(e, lower):
+            return e  # the snapshot's own file: nothing to upload
         lower_blocks: set[bytes] = set()
         if lower is not None and lower.kind == K_FILE and lower.ref is not None:
             with contextlib.suppress(StrataError, ValueError):

@@ -143,7 +143,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
              lease_wait: float = 600.0, message: str | None = None,
              identical: bool = False) -> StepResult:
     """Run `argv` as one transaction over `specs` (see the module docstring)."""
-    from strata.mount.process import start
+    from strata.mount.process import Prepared
     from strata.server.client import RemoteStore
     if not isinstance(store, RemoteStore):
         raise StrataError("steps need a store server (the mount process reads through it)")
@@ -154,6 +154,8 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
     result.timings["began"] = time.time()
     leases = _Leases(store)
     state: MountState | None = None
+    # The mount process first: it loads the FUSE stack while this one pins and forks.
+    mounter = Prepared(watch_pid=os.getpid())
     sweep_abandoned_steps()  # what runners killed at the wrong moment left behind
     try:
         for spec in specs:
@@ -185,7 +187,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         st.mountpoint = storage
         st.extra["token"] = store.token
         st.save()
-        error = start(st, background=True, watch_pid=os.getpid())
+        error = mounter.go(st)
         if error is not None:
             raise StrataError(f"could not mount the step's volumes: {error}")
         # The mount process recorded its pid; keep it when this runner saves the state
@@ -219,6 +221,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         result.timings["finish"] = time.monotonic() - t2
         return result
     finally:
+        mounter.cancel()  # a mount process never handed a state exits
         if state is not None:
             with contextlib.suppress(Exception):
                 teardown(state, lazy=True)
@@ -279,7 +282,8 @@ def _publish(store: Store, state: MountState, result: StepResult, argv: list[str
     msg = message or f"run {result.run_id}: {' '.join(argv)[:200]}"
     meta = {"run": result.run_id, "argv": argv[:64]}
     try:
-        done = commit(store, state, message=msg, meta=meta, leases=leases, identical=identical)
+        done = commit(store, state, message=msg, meta=meta, leases=leases, identical=identical,
+                      remember=False)
         result.published = {name: sid for name, sid in done.published.items()
                             if any(v.name == name and not v.readonly for v in state.volumes)}
     except Conflict as exc:
@@ -295,7 +299,7 @@ def _keep_rejected(store: Store, state: MountState, result: StepResult, msg: str
     for v in state.volumes:
         if v.readonly:
             continue
-        changes, scan = pending(store, state, v)
+        changes, scan = pending(store, state, v, cache=False)
         if not changes:
             continue
         with contextlib.suppress(StrataError):

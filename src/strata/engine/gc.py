@@ -246,6 +246,16 @@ class Pins:
         return {sid for sid, _exp in self._pins.values()}
 
 
+def inherit_unknown_pins(store_dir: str) -> None:
+    """A store restored from elsewhere: its last owner's pins are unknown, so wait them out.
+
+    Restore and takeover call this: the owner being replaced may have granted
+    pins (to mounts and steps on other machines) that this store directory
+    never heard of, and they may be renewed against the new owner.
+    """
+    _write_until(os.path.join(store_dir, PINS_UNTIL), time.time() + 1.5 * PIN_LIFETIME)
+
+
 def _read_until(path: str) -> float:
     """The pin horizon an earlier owner left; a damaged file waits the longest."""
     try:

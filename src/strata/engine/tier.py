@@ -933,6 +933,9 @@ def restore(url: str, store_dir: str, *, sync: str = "local",
         finally:
             index.close()
         _write_file(os.path.join(store_dir, TIER_CHECKPOINT), cp.encode())
+    # The fenced owner's pins are unknown here: nothing is deleted while they may last.
+    from strata.engine.gc import inherit_unknown_pins
+    inherit_unknown_pins(store_dir)
     # Clean: the packs rebuilt here are what the log holds, so nothing needs shipping.
     _write_file(os.path.join(store_dir, TIER_STATE),
                 json.dumps({"epoch": epoch, "next": epoch + 1, "clean": True}).encode())

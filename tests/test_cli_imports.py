@@ -38,6 +38,7 @@ LS_STRATA_MODULES = {
     "strata.engine", "strata.engine.errors", "strata.engine.names", "strata.engine.objects",
     "strata.engine.tree", "strata.engine.interface", "strata.engine.storedir",
     "strata.server", "strata.server.wire", "strata.server.client",
+    "strata.workspace",  # is the snapshot a workspace? (one constant, one lookup)
 }
 
 # All modules, the interpreter's own start-up included (about 117 when this was written).

@@ -138,3 +138,38 @@ def test_free_ranges_read_from_dumpe2fs() -> None:
            "Group 0: (Blocks 0-32767)\n  Free blocks: 10-19, 30\n  Free inodes: 12-100\n"
            "Group 1: (Blocks 32768-65535)\n  Free blocks: \n")
     assert free_ranges(out) == [(10 * 4096, 10 * 4096), (30 * 4096, 4096)]
+
+
+def test_snapshots_are_browsable_file_by_file(wsenv: WsEnv) -> None:
+    wsenv.run("workspace", "create", "dev", "--size", "2G")
+    d = wsenv.attach("dev", "w")
+    (d / "src").mkdir()
+    (d / "src" / "a.txt").write_text("one\n")
+    (d / "src" / "gone.txt").write_text("bye\n")
+    odd = os.fsdecode(b"caf\xc3\xa9 \xff.txt")
+    (d / odd).write_bytes(b"odd\n")
+    a = wsenv.run("workspace", "snapshot", "dev", "-m", "a").stdout.strip()
+    (d / "src" / "a.txt").write_text("two\n")
+    (d / "src" / "gone.txt").unlink()
+    (d / "src" / "new.txt").write_text("new\n")
+    b = wsenv.run("workspace", "snapshot", "dev", "-m", "b").stdout.strip()
+    # While the workspace stays attached and changes on.
+    (d / "src" / "a.txt").write_text("three\n")
+    assert wsenv.run("ls", f"dev#{a[:12]}", "src").stdout.split() == ["a.txt", "gone.txt"]
+    assert wsenv.run("cat", f"dev#{a[:12]}", "src/a.txt").stdout == "one\n"
+    assert wsenv.run("cat", f"dev#{b[:12]}", "src/a.txt").stdout == "two\n"
+    listing = json.loads(wsenv.run("ls", f"dev#{b[:12]}", "--json").stdout)
+    assert {e["name"] for e in listing} >= {"src", "lost+found"}
+    stat = json.loads(wsenv.run("stat", f"dev#{b[:12]}", "src/new.txt", "--json").stdout)
+    assert stat["size"] == 4 and stat["type"] == "file"
+    diff = json.loads(wsenv.run("diff", f"dev#{a[:12]}", f"dev#{b[:12]}", "--json").stdout)
+    assert sorted((r["path"], r["change"]) for r in diff) == [
+        ("src/a.txt", "modified"), ("src/gone.txt", "deleted"), ("src/new.txt", "added")]
+    out = wsenv.root / "out"
+    wsenv.run("export", f"dev#{a[:12]}", str(out))
+    assert (out / "src" / "a.txt").read_text() == "one\n"
+    assert (out / odd).read_bytes() == b"odd\n"
+    p = wsenv.run("cat", f"dev#{a[:12]}", "../../etc/passwd", rc=None)
+    assert p.returncode != 0 and "leaves the workspace" in p.stderr
+    assert [m for m in open("/proc/self/mountinfo").read().splitlines()
+            if "strata-ws-view" in m] == []  # every view was detached

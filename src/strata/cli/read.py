@@ -74,7 +74,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from strata.engine.tree import Trees, decode_name
     ref = parse_ref(args.ref)
     with open_store(args) as store:
-        e = lookup(store, ref.resolve(store), args.path)
+        sid = ref.resolve(store)
+        if _is_workspace(store, sid):
+            return _ws_ls(args, store, ref.volume, sid)
+        e = lookup(store, sid, args.path)
         if e.kind == K_DIR and e.ref is not None:
             prefix = f"{args.path}/" if args.path else ""
             items = [(decode_name(n), c) for n, c in Trees(store).iter_dir(e.ref)]
@@ -97,7 +100,10 @@ def cmd_cat(args: argparse.Namespace) -> int:
     ref = parse_ref(args.ref)
     out = sys.stdout.buffer
     with open_store(args) as store:
-        e = lookup(store, ref.resolve(store), args.path)
+        sid = ref.resolve(store)
+        if _is_workspace(store, sid):
+            return _ws_cat(args, store, ref.volume, sid)
+        e = lookup(store, sid, args.path)
         if e.kind != K_FILE:
             raise InvalidInput(f"{args.path!r} is not a regular file")
         if e.ref is None:
@@ -114,7 +120,13 @@ def cmd_cat(args: argparse.Namespace) -> int:
 def cmd_stat(args: argparse.Namespace) -> int:
     ref = parse_ref(args.ref)
     with open_store(args) as store:
-        e = lookup(store, ref.resolve(store), args.path)
+        sid = ref.resolve(store)
+        if _is_workspace(store, sid):
+            from strata.workspace.view import entry_of, inside, snapshot_files
+            with snapshot_files(store, ref.volume, sid) as root:
+                e = entry_of(inside(root, args.path))
+        else:
+            e = lookup(store, sid, args.path)
     info = entry_json(args.path, e)
     if args.json:
         print_json(info)
@@ -135,15 +147,71 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from strata.engine.tree import Trees
     ref_a, ref_b = parse_ref(args.ref_a), parse_ref(args.ref_b)
     with open_store(args) as store:
-        root_a = store.snapshot(ref_a.resolve(store)).root
-        root_b = store.snapshot(ref_b.resolve(store)).root
+        sid_a, sid_b = ref_a.resolve(store), ref_b.resolve(store)
         rows = []
-        for path, old, new in Trees(store).diff(root_a, root_b):
-            change = "added" if old is None else "deleted" if new is None else "modified"
-            rows.append({"path": path, "change": change})
+        if _is_workspace(store, sid_a) and _is_workspace(store, sid_b):
+            if ref_a.volume != ref_b.volume:
+                raise InvalidInput("a file-by-file diff compares snapshots of one workspace")
+            from strata.workspace.view import changed, snapshot_files
+            with snapshot_files(store, ref_a.volume, sid_a) as a, \
+                    snapshot_files(store, ref_b.volume, sid_b) as b:
+                rows = [{"path": p, "change": c} for p, c in changed(a, b)]
+        else:
+            root_a = store.snapshot(sid_a).root
+            root_b = store.snapshot(sid_b).root
+            for path, old, new in Trees(store).diff(root_a, root_b):
+                change = "added" if old is None else "deleted" if new is None else "modified"
+                rows.append({"path": path, "change": change})
     if args.json:
         print_json(rows)
     else:
         for r in rows:
             print(f"{r['change'][0].upper()}  {show_path(r['path'])}")
+    return 0
+
+
+# -- workspaces: their snapshots file by file, through a read-only attach ------------------
+
+def _is_workspace(store: Any, sid: str) -> bool:
+    from strata.workspace import is_workspace
+    return is_workspace(store, sid)
+
+
+def _ws_ls(args: argparse.Namespace, store: Any, volume: str, sid: str) -> int:
+    import os
+
+    from strata.workspace.view import entry_of, inside, snapshot_files
+    with snapshot_files(store, volume, sid) as root:
+        where = inside(root, args.path)
+        e = entry_of(where)
+        if os.path.isdir(where) and not os.path.islink(where):
+            prefix = f"{args.path}/" if args.path else ""
+            names = sorted(os.listdir(where), key=os.fsencode)
+            items = [(n, entry_of(os.path.join(where, n))) for n in names]
+        else:
+            prefix, items = "", [(args.path, e)]
+    if args.json:
+        print_json([entry_json(prefix + name, c) | {"name": name} for name, c in items])
+    elif args.long:
+        for name, c in items:
+            print(long_line(show_path(name), c))
+    else:
+        for name, _c in items:
+            print(show_path(name))
+    return 0
+
+
+def _ws_cat(args: argparse.Namespace, store: Any, volume: str, sid: str) -> int:
+    import os
+    import shutil
+
+    from strata.workspace.view import inside, snapshot_files
+    out = sys.stdout.buffer
+    with snapshot_files(store, volume, sid) as root:
+        where = inside(root, args.path)
+        if not os.path.isfile(where) or os.path.islink(where):
+            raise InvalidInput(f"{args.path!r} is not a regular file")
+        with open(where, "rb") as f:
+            shutil.copyfileobj(f, out, 1 << 20)
+    out.flush()
     return 0

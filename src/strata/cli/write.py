@@ -142,8 +142,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from strata.fsio import export_snapshot
     ref = parse_ref(args.ref)
     with open_store(args) as store:
-        report = export_snapshot(store, ref.resolve(store), args.dir,
-                                 privileged=args.privileged)
+        sid = ref.resolve(store)
+        from strata.workspace import is_workspace
+        if is_workspace(store, sid):  # its files, not its block map
+            from strata.workspace.view import export, snapshot_files
+            with snapshot_files(store, ref.volume, sid) as root:
+                export(root, args.dir)
+            return 0
+        report = export_snapshot(store, sid, args.dir, privileged=args.privileged)
     for what in report.skipped:
         print(f"strata: warning: not restored: {what}", file=sys.stderr)
     return 0

@@ -31,8 +31,8 @@ from strata.engine.errors import Forbidden, InvalidInput, NotFound, StrataError
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.objects import K_FILE, Entry, FileNode
 from strata.engine.tree import Trees
+from strata.workspace import LAYOUT_PATH
 from strata.workspace.device import (
-    LAYOUT_PATH,
     SNAPSHOT_PATH,
     Device,
     DeviceError,

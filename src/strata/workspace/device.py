@@ -41,7 +41,6 @@ from strata.engine.objects import (
 )
 from strata.engine.tree import Trees
 
-LAYOUT_PATH = "workspace.json"
 SNAPSHOT_PATH = "snapshot.json"   # the message of the last named snapshot
 DISK_DIR = "disk"
 LAYOUT_VERSION = 1

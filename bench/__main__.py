@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from bench import bucket, engine, gc, mount, server, speed, steps, ui
+from bench import bucket, day, engine, gc, mount, server, speed, steps, ui
 from bench.report import print_table
 
 
@@ -18,9 +18,9 @@ def main() -> None:
                     help="directory on the local disk to run in")
     ap.add_argument("--out", default="bench/results/engine.json")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
-    ap.add_argument("--only", default="engine,server,bucket,gc,mount,steps,ui,speed",
+    ap.add_argument("--only", default="engine,server,bucket,gc,mount,steps,ui,speed,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
-                         "steps, ui, speed)")
+                         "steps, ui, speed, day)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -49,9 +49,14 @@ def main() -> None:
     if speed_rows:
         print_table("strata speed (issue 12): the same work without strata in the same run",
                     speed_rows)
+    day_rows: list[dict[str, object]] = []
+    if "day" in groups:
+        days = day.run(args.dir, quick=args.quick)
+        day.print_day(days, day.Config.from_env(args.dir, quick=args.quick))
+        day_rows = day.to_rows(days)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(rows + mount_rows + step_rows + speed_rows, f, indent=2)
+        json.dump(rows + mount_rows + step_rows + speed_rows + day_rows, f, indent=2)
     print(f"results written to {args.out}", file=sys.stderr)
 
 

@@ -47,7 +47,8 @@ def test_day_smoke_local_and_upload_at_stop(tmp_path: Path) -> None:
 
     up = rows["upload"]
     g = up["figures"]
-    assert g["acked_bytes"] == f["acked_bytes"]  # the same day, byte for byte
+    # The same day: the same files, give or take git's own (its objects hold timestamps).
+    assert abs(g["acked_bytes"] - f["acked_bytes"]) < f["acked_bytes"] // 100
     assert g["lost_bytes"] == g["acked_bytes"] > 0  # nothing was uploaded before the kill
     assert g["commit_survived"] is False
     assert "resume_s" not in g and "gone" in up["errors"]["resume"]

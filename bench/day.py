@@ -1026,6 +1026,8 @@ def run_day(rung: Rung, bare: str, npm_problem: str | None) -> Day:
         if ok:
             f["bucket_bytes"] = rung.bucket_bytes()
     day.notes += rung.notes
+    # The work directory is gone after the run: name paths inside it by their place only.
+    day.errors = {k: v.replace(rung.dir + os.sep, "") for k, v in day.errors.items()}
     return day
 
 

@@ -4,13 +4,14 @@ Reference 002 walks one day through each common workspace design; this module
 runs that day on this machine, every rung in the same run, over the same moto
 bucket on loopback:
 
-1. clone a real repository (the running Python's standard library, a few
-   thousand files, as a local bare repository) and `npm ci` a real lockfile
-   (bench/fixtures/day, a couple of hundred packages) from a warm npm cache;
+1. clone a real repository (the running Python's standard library, 2,000
+   files by default, as a local bare repository) and `npm ci` a real lockfile
+   (bench/fixtures/day: 224 packages, about 2,600 files) from a warm npm cache;
 2. `git add -A && git commit` an edit;
 3. `sync -f` the workspace, then 4 KiB write + `os.fsync` in a loop (p50/p99);
 4. "kill the host", resume on host 2: `git status`, `git log -1`, and count
-   the acknowledged bytes (the fsynced 4 KiB records, the synced commit) lost;
+   the acknowledged bytes lost (the fsynced 4 KiB records, the files as they
+   were after `sync -f`) and whether the commit survived;
 5. fork three attempts, and in each `git checkout -b tryN`, edit, commit;
 6. detach, evict to the bucket, attach cold and run `git status`.
 
@@ -33,9 +34,11 @@ What "host kill" means, per rung (also in docs/workspaces.md, "The day benchmark
   directory detached lazily; host 2 runs `strata workspace attach`.
 
 A rung that breaks at a step records the error text in that step's cell; the
-steps that needed it are left blank. Nothing here asserts; it measures and
-reports. Sizes come from environment variables (DAY_*, see `Config.from_env`).
-Every mount, loop device and process is undone in `finally`, also on failure.
+steps that needed it are left blank, and a rung that has spent its time budget
+starts no further step. Nothing here asserts; it measures and reports. Sizes
+come from environment variables (DAY_*, see `Config.from_env`). Every mount,
+loop device and process the harness made is undone in `finally`, also on
+failure; it never touches another process, mount or loop device.
 """
 
 from __future__ import annotations

@@ -642,7 +642,13 @@ class S3backer(Rung):
             with contextlib.suppress(ValueError):
                 self.ctx.loops.remove(loop)
         if not kill:
-            _quiet("fusermount3", "-u", fuse)
+            # The loop device lets go of s3backer's file a moment after `losetup -d`:
+            # until then the unmount fails as busy, and s3backer would never exit.
+            deadline = time.monotonic() + 30
+            while os.path.ismount(fuse) and time.monotonic() < deadline:
+                _quiet("fusermount3", "-u", fuse)
+                if os.path.ismount(fuse):
+                    time.sleep(0.1)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(self.cfg.step_timeout)
         self.ctx.unmount(fuse, fuse=True)

@@ -10,11 +10,14 @@ STAMP  := $(VENV)/.stamp
 
 # Debian packages: required ones must install; optional ones (gVisor's runsc)
 # are installed when apt has a candidate and skipped with a message otherwise.
+# The day benchmark (`make day`) also runs its peers over the same moto bucket: s3fs,
+# s3backer (with ext4 on its block device), rclone mount, and npm for its `npm ci`
+# (npm comes with this machine's nodejs build; Debian's own npm package conflicts with it).
 APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync iproute2 \
-                chromium chromium-driver
-APT_OPTIONAL := runsc
+                chromium chromium-driver zstd e2fsprogs nodejs
+APT_OPTIONAL := runsc s3fs s3backer rclone
 
-.PHONY: deps apt-deps lint test demo bench fuzz clean
+.PHONY: deps apt-deps lint test demo bench day fuzz clean
 
 deps: apt-deps $(STAMP)
 
@@ -41,6 +44,11 @@ demo: deps
 
 bench: deps
 	$(BIN)/python -m bench
+
+# One agent's day (issue 11) on every rung: local disk, upload at stop, s3fs, s3backer,
+# rclone mount, NFS when the kernel has nfsd, and the strata workspace. Sizes: DAY_* env vars.
+day: deps
+	$(BIN)/python -m bench --only day
 
 # Longer randomized checks than `make test` runs: a 600-step isolation history (steps,
 # forks, SIGKILLed runners and servers), the store state machine with more examples,

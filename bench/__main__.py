@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from bench import bucket, engine, gc, mount, server, speed, steps, ui, workspace
+from bench import bucket, day, engine, gc, mount, server, speed, steps, ui, workspace
 from bench.report import print_table
 
 
@@ -20,9 +20,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     ap.add_argument("--churn-rounds", type=int, default=None,
                     help="rounds of the GC churn on a mount (default 20, 5 with --quick)")
-    ap.add_argument("--only", default="engine,server,bucket,gc,mount,steps,ui,speed,workspace",
+    ap.add_argument("--only",
+                    default="engine,server,bucket,gc,mount,steps,ui,speed,workspace,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
-                         "steps, ui, speed, workspace)")
+                         "steps, ui, speed, workspace, day)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -55,9 +56,14 @@ def main() -> None:
     if ws_rows:
         print_table("strata workspaces (issue 11): baselines from the same run", ws_rows)
     speed_rows += ws_rows
+    day_rows: list[dict[str, object]] = []
+    if "day" in groups:
+        days = day.run(args.dir, quick=args.quick)
+        day.print_day(days, day.Config.from_env(args.dir, quick=args.quick))
+        day_rows = day.to_rows(days)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(rows + mount_rows + step_rows + speed_rows, f, indent=2)
+        json.dump(rows + mount_rows + step_rows + speed_rows + day_rows, f, indent=2)
     print(f"results written to {args.out}", file=sys.stderr)
 
 

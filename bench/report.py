@@ -41,3 +41,14 @@ def _fmt(v: float) -> str:
     if v >= 1:
         return f"{v:.2f}"
     return f"{v:.3f}"
+
+
+def print_grid(title: str, columns: tuple[str, ...] | list[str], rows: list[list[str]],
+               caption: str = "") -> None:
+    """A table of any shape: one row per subject (e.g. a rung), one column per figure."""
+    table = Table(title=title, caption=caption or None, show_lines=True)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
+    for r in rows:
+        table.add_row(*r)
+    Console(width=200).print(table)

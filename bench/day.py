@@ -769,11 +769,10 @@ class StrataWorkspace(Rung):
         self.ctx.unmount(self.mnt, fuse=True)
         with contextlib.suppress(ValueError):
             self.ctx.mounts.remove(self.mnt)
-        state = self.env["STRATA_WORKSPACE_STATE"]
-        with open("/proc/self/mountinfo") as f:  # the dead daemon's FUSE directory
-            dead = [ln.split()[4] for ln in f if ln.split()[4].startswith(state)]
-        for mp in dead:
-            subprocess.run(["umount", "-l", mp], capture_output=True)
+        # What the dead daemon left (its FUSE directory, waiting requests): cleared the way
+        # `detach` does for an attach whose daemon is gone.
+        subprocess.run([*STRATA, "workspace", "detach", self.mnt],
+                       env={**os.environ, **self.env}, capture_output=True)
 
     def fork(self, i: int) -> str:
         self.cli("workspace", "fork", "ws", f"fork{i}")

@@ -53,9 +53,7 @@ class Env(CliEnv):
         with open(state) as f:
             pid = int(json.load(f)["pid"])
         os.kill(pid, signal.SIGKILL)
-        subprocess.run(["umount", "-l", d], capture_output=True)
-        subprocess.run(["fusermount3", "-uz", os.path.join(os.path.dirname(state), "dev")],
-                       capture_output=True)
+        self.cli("workspace", "detach", d)  # a dead daemon's attach: cleared, not flushed
         self.attached.remove(d)
 
     def close(self) -> None:

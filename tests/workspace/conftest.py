@@ -46,12 +46,13 @@ class WsEnv:
 
 
 def cleanup(root: Path) -> None:
-    """Lazily unmount everything under `root`; kill daemons left behind."""
-    for line in reversed(open("/proc/self/mountinfo").read().splitlines()):
-        mp = line.split()[4]
-        if mp.startswith(str(root)):
-            subprocess.run(["umount", "-l", mp], capture_output=True)
-    subprocess.run(["pkill", "-9", "-f", f"strata-ws-test {root}"], capture_output=True)
+    """Lazily unmount everything under `root`, and abort its FUSE connections."""
+    from strata.workspace.attach import abort_fuse, fuse_connections
+    lines = [ln for ln in open("/proc/self/mountinfo").read().splitlines()
+             if ln.split()[4].startswith(str(root))]
+    for line in reversed(lines):
+        subprocess.run(["umount", "-l", line.split()[4]], capture_output=True)
+    abort_fuse(fuse_connections("\n".join(lines)))
 
 
 @pytest.fixture

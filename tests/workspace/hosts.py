@@ -92,7 +92,18 @@ class Host:
                 os.kill(pid, sig)
 
     def lose(self) -> None:
-        """Host loss: every process SIGKILLed at once, and the network gone."""
+        """Host loss: every process SIGKILLed at once, and the network gone.
+
+        Then its FUSE connections are aborted: a daemon killed with requests in
+        flight leaves them waiting, and the loop device and ext4 above alive,
+        on this machine that outlives the "host".
+        """
+        from strata.workspace.attach import abort_fuse, fuse_connections
+        try:
+            with open(f"/proc/{self.pid}/mountinfo") as f:
+                conns = fuse_connections(f.read())
+        except OSError:
+            conns = []
         subprocess.run(["ip", "link", "set", self.link, "down"], capture_output=True)
         for _ in range(3):
             for pid in self.processes():
@@ -102,6 +113,7 @@ class Host:
                     pass
             time.sleep(0.05)
         self.sleeper.wait(10)
+        abort_fuse(conns)
         self.close()
 
     def close(self) -> None:

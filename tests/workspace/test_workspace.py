@@ -173,3 +173,19 @@ def test_snapshots_are_browsable_file_by_file(wsenv: WsEnv) -> None:
     assert p.returncode != 0 and "leaves the workspace" in p.stderr
     assert [m for m in open("/proc/self/mountinfo").read().splitlines()
             if "strata-ws-view" in m] == []  # every view was detached
+
+
+def test_detach_after_the_daemon_died_clears_what_it_left(wsenv: WsEnv) -> None:
+    wsenv.run("workspace", "create", "dev", "--size", "2G")
+    d = wsenv.attach("dev", "w")
+    (d / "kept").write_text("synced\n")
+    subprocess.run(["sync", "-f", str(d)], check=True)
+    writer = subprocess.Popen(["sh", "-c", f"while :; do date >> {d}/log; done"])
+    os.kill(int(_state(wsenv, d)["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
+    writer.kill()
+    writer.wait()
+    wsenv.detach(d)  # the daemon is gone: its mounts and FUSE connection are cleared
+    assert not os.path.ismount(d)
+    assert [ln for ln in open("/proc/self/mountinfo") if str(wsenv.root) in ln] == []
+    e = wsenv.attach("dev", "again")
+    assert (e / "kept").read_text() == "synced\n"

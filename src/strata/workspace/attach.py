@@ -430,9 +430,53 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def fuse_connections(mountinfo: str, fstype: str = "fuse.strata") -> list[int]:
+    """The FUSE connection numbers of the `fstype` mounts a mountinfo text lists."""
+    out = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - " in line and line.split(" - ", 1)[1].split()[0] == fstype:
+            major, _, minor = fields[2].partition(":")
+            if major == "0" and minor.isdigit():
+                out.append(int(minor))
+    return out
+
+
+def abort_fuse(connections: list[int]) -> None:
+    """Abort FUSE connections whose daemon is dead, so what waits on them fails now.
+
+    A daemon killed with requests in flight can leave its connection waiting
+    (and the loop device and ext4 above it alive) until it is aborted.
+    """
+    ctl = "/sys/fs/fuse/connections"
+    if connections and not os.listdir(ctl):
+        subprocess.run(["mount", "-t", "fusectl", "none", ctl], capture_output=True)
+    for conn in connections:
+        with contextlib.suppress(OSError), open(os.path.join(ctl, str(conn), "abort"), "w") as f:
+            f.write("1")
+
+
+def _gone(att: Attached) -> None:
+    """Clean up after a daemon that died (its host's processes were killed)."""
+    devdir = os.path.join(att.state_dir, "dev")
+    with open("/proc/self/mountinfo") as f:
+        mine = [ln for ln in f.read().splitlines() if ln.split()[4] == devdir]
+    subprocess.run(["umount", "-l", att.dir], capture_output=True)
+    abort_fuse(fuse_connections("\n".join(mine)))
+    subprocess.run(["umount", "-l", devdir], capture_output=True)
+    shutil.rmtree(att.state_dir, ignore_errors=True)
+
+
 def detach(directory: str, *, timeout: float = 60.0) -> None:
-    """Unmount (which flushes), let the daemon publish and release the lease, wait."""
+    """Unmount (which flushes), let the daemon publish and release the lease, wait.
+
+    If the daemon is dead (the attach was lost with its processes), clean up
+    what it left instead: nothing more reaches the workspace from here anyway.
+    """
     att = Attached.load(directory)
+    if not att.pid or not _alive(att.pid):
+        _gone(att)
+        return
     p = subprocess.run(["umount", att.dir], capture_output=True, text=True)
     if p.returncode != 0 and os.path.ismount(att.dir):
         raise InvalidInput(f"cannot detach {att.dir}: {p.stderr.strip()}")

@@ -118,6 +118,8 @@ class Device:
         self.scratch = scratch   # a read-only view: writes stay in memory, never published
         self._trees = Trees(store)
         self._root = store.snapshot(head).root
+        # disk/ stays once made (an empty extent is removed, never the directory).
+        self._has_disk_dir = self._trees.resolve(self._root, [DISK_DIR]) is not None
         self._lock = threading.Lock()          # guards every map below
         self._flush_lock = threading.Lock()    # one flush at a time; later ones wait
         self._extents: dict[int, tuple[bytes, ...]] = {}   # published block ids, by extent
@@ -215,13 +217,19 @@ class Device:
     def read(self, offset: int, size: int) -> bytes:
         """`size` bytes at `offset` (short at the end of the device)."""
         end = min(offset + size, self.layout.size)
-        bs = self.layout.block
-        if end - offset > bs:
+        bs, per = self.layout.block, self.layout.per_extent
+        first, last = offset // bs, (end - 1) // bs
+        with self._lock:
+            missing = [i for i in range(first, last + 1) if self._pending(i) is None]
+        if missing:
+            # A miss brings in the rest of its extents too, in the same request:
+            # filesystem metadata (inode tables, directories, the journal) is read
+            # in small pieces that sit together, one round trip each otherwise.
             with self._lock:
-                missing = [i for i in range(offset // bs, (end - 1) // bs + 1)
-                           if self._pending(i) is None]
-            if len(missing) > 1:
-                self._fetch_many(missing)
+                around = [i for i in range(first // per * per, (last // per + 1) * per)
+                          if self._pending(i) is None]
+            self._fetch_many(around if self._cache_bytes >= 4 * len(around) * bs
+                             else missing)
         out = []
         pos = offset
         while pos < end:
@@ -425,7 +433,7 @@ class Device:
         nodes: list[tuple[int, bytes]] = []
         changes: dict[str, Entry | None] = {}
         new_ids: dict[int, tuple[bytes, ...]] = {}
-        if by_extent:
+        if by_extent and not self._has_disk_dir:
             changes[DISK_DIR] = Entry(kind=K_DIR, mode=0o700)  # make sure disk/ exists
         if message:  # a named snapshot is a snapshot even when no block changed
             changes[SNAPSHOT_PATH] = snapshot_entry(message)
@@ -456,6 +464,7 @@ class Device:
             self.fenced = f"this host no longer holds the workspace's lease: {exc}"
             raise DeviceError(self.fenced) from exc
         with self._lock:
+            self._has_disk_dir = self._has_disk_dir or bool(by_extent)
             self._extents.update(new_ids)
             if self._written is not None:
                 for x, new in new_ids.items():

@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.stamp
 # (npm comes with this machine's nodejs build; Debian's own npm package conflicts with it).
 APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync iproute2 \
                 chromium chromium-driver zstd e2fsprogs nodejs
-APT_OPTIONAL := runsc s3fs s3backer rclone
+APT_OPTIONAL := runsc s3fs s3backer rclone mmdebstrap
 
 .PHONY: deps apt-deps lint test demo bench day fuzz clean
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -41,3 +42,25 @@ def test_a_root_needs_a_sandbox(wsenv: WsEnv) -> None:
     assert p.returncode != 0 and "sandbox" in p.stderr
     assert not subprocess.run(["findmnt", "-rn", "-S", "/dev/loop"], capture_output=True,
                               text=True).stdout.count(str(wsenv.root))
+
+
+def test_root_in_a_bwrap_root_owns_every_file_but_cannot_mount(wsenv: WsEnv) -> None:
+    """A system's files belong to many users (apt's `_apt`): root must reach them all."""
+    seed = tiny_root(wsenv.root / "seed", ("sh", "cat", "mkdir", "mount", "chown"))
+    private = seed / "var" / "lib" / "apt" / "partial"
+    private.mkdir(parents=True)
+    (private / "f").write_text("apt's\n")
+    os.chown(private / "f", 42, 0)
+    os.chown(private, 42, 0)
+    private.chmod(0o700)
+    wsenv.run("workspace", "create", "box", "--size", "1G", "--seed", str(seed))
+    p = wsenv.run("run", "--root", "ws:box", "--sandbox", "bwrap", "--",
+                  "/bin/sh", "-c", "cat /var/lib/apt/partial/f && "
+                  "echo more >> /var/lib/apt/partial/f && chown 42 /var/lib/apt/partial/f && "
+                  "mkdir /m && mount -t tmpfs x /m; echo mount=$?")
+    lines = p.stdout.splitlines()
+    assert lines[0] == "apt's"
+    assert lines[-1].startswith("mount=") and lines[-1] != "mount=0"  # no CAP_SYS_ADMIN
+    d = wsenv.attach("box", "look")
+    assert (d / "var" / "lib" / "apt" / "partial" / "f").read_text() == "apt's\nmore\n"
+    wsenv.detach(d)

@@ -23,6 +23,10 @@ from dataclasses import dataclass
 from strata.engine.errors import InvalidInput
 
 SANDBOXES = ("none", "bwrap", "gvisor")
+# What root keeps in a workspace-root bwrap sandbox: owning, reading and writing any
+# file there, and becoming any user (package managers drop to their own users).
+ROOT_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER",
+             "CAP_FSETID", "CAP_SETUID", "CAP_SETGID", "CAP_KILL")
 
 
 @dataclass
@@ -156,10 +160,23 @@ def _root_command(sandbox: str, argv: list[str], root: str, env: dict[str, str],
         if shutil.which("bwrap") is None:
             raise InvalidInput("bubblewrap (bwrap) is not installed")
         cmd = ["bwrap", "--bind", root, "/", "--dev", "/dev", "--proc", "/proc",
-               "--tmpfs", "/tmp", "--unshare-all", "--die-with-parent", "--new-session",
+               "--perms", "1777", "--tmpfs", "/tmp", "--die-with-parent", "--new-session",
                "--chdir", "/"]
-        if network:
-            cmd.append("--share-net")
+        if os.getuid() == 0:
+            # A whole system's files belong to many users (apt's `_apt`, daemons'), and
+            # a user namespace maps only one: root inside could not touch the rest. So
+            # no user namespace, and root keeps just the file-ownership capabilities;
+            # the sandbox sees only the workspace, its own /dev, /proc and /tmp.
+            cmd += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
+                    "--cap-drop", "ALL"]
+            for cap in ROOT_CAPS:
+                cmd += ["--cap-add", cap]
+            if not network:
+                cmd.append("--unshare-net")
+        else:
+            cmd.append("--unshare-all")
+            if network:
+                cmd.append("--share-net")
         return [*cmd, "--", *argv], env
     if sandbox == "gvisor":
         if shutil.which("runsc") is None:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from strata.engine import pack as packfmt
 from strata.engine.errors import InvalidInput, NotFound, Unavailable
 from strata.engine.objects import FILENODE, SNAPSHOT, TREE, references
+from strata.engine.storedir import write_durably
 
 if TYPE_CHECKING:
     from strata.engine.local import LocalStore
@@ -275,22 +276,7 @@ def _read_until(path: str) -> float:
 
 
 def _write_until(path: str, until: float) -> None:
-    _write_durably(path, json.dumps({"version": 1, "until": until}).encode())
-
-
-def _write_durably(path: str, data: bytes) -> None:
-    """Write `path` whole or not at all, and make it durable before returning."""
-    tmp = path + ".tmp"
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
-    fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_durably(path, json.dumps({"version": 1, "until": until}).encode())
 
 
 def _ttl(ttl: float) -> float:

@@ -93,15 +93,20 @@ def set_cache_size(path: str, size: int | None) -> None:
 
 
 def _write_meta(path: str, settings: dict[str, Any]) -> None:
-    meta = os.path.join(path, "STRATA")
     body = json.dumps(settings, sort_keys=True)
-    tmp = meta + ".tmp"
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(f"{STORE_MAGIC} {STORE_VERSION}\n{body}\n")
+    write_durably(os.path.join(path, "STRATA"), f"{STORE_MAGIC} {STORE_VERSION}\n{body}\n"
+                  .encode())
+
+
+def write_durably(path: str, data: bytes) -> None:
+    """Replace `path` whole or not at all (tmp, fsync, rename), durably (directory fsync)."""
+    tmp = path + ".tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.rename(tmp, meta)
-    fsync_dir(path)
+    os.rename(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
 
 
 def read_store_meta(path: str) -> dict[str, Any]:

@@ -57,7 +57,7 @@ from strata.engine.checkpoint import Checkpoint, RunReader, encode_run
 from strata.engine.errors import Corrupt, InvalidInput, NotFound, StoreFailed
 from strata.engine.index import Index
 from strata.engine.packstore import LocalPacks, PackStore, PackWriter
-from strata.engine.storedir import init_store
+from strata.engine.storedir import init_store, write_durably
 
 SHIP_INTERVAL = 0.5        # default mode: seconds between segment records
 SHIP_BYTES = 8 << 20       # ... or sooner once this much is pending
@@ -76,15 +76,6 @@ Loc = tuple[int, int, int, int]
 BUCKET_META = "strata-bucket"
 TIER_STATE = "tier.json"              # in the store: this owner's epoch and log position
 TIER_CHECKPOINT = "tier-checkpoint"   # in the store: the last checkpoint it wrote or read
-
-
-def _write_file(path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
 
 
 def pack_object_name(number: int, epoch: int, attempt: str) -> str:
@@ -358,8 +349,8 @@ class TieredPacks(PackStore):
         if self._state_dir is None:
             return
         if checkpoint is not None:
-            _write_file(os.path.join(self._state_dir, TIER_CHECKPOINT), checkpoint)
-        _write_file(os.path.join(self._state_dir, TIER_STATE), json.dumps(
+            write_durably(os.path.join(self._state_dir, TIER_CHECKPOINT), checkpoint)
+        write_durably(os.path.join(self._state_dir, TIER_STATE), json.dumps(
             {"epoch": self.log.epoch, "next": self.log.next,
              "hydrated": self._hydrated, "clean": self._clean}).encode())
 
@@ -932,12 +923,12 @@ def restore(url: str, store_dir: str, *, sync: str = "local",
             index.note_expired((sid, stamp) for sid in cp.expired)
         finally:
             index.close()
-        _write_file(os.path.join(store_dir, TIER_CHECKPOINT), cp.encode())
+        write_durably(os.path.join(store_dir, TIER_CHECKPOINT), cp.encode())
     # The fenced owner's pins are unknown here: nothing is deleted while they may last.
     from strata.engine.gc import inherit_unknown_pins
     inherit_unknown_pins(store_dir)
     # Clean: the packs rebuilt here are what the log holds, so nothing needs shipping.
-    _write_file(os.path.join(store_dir, TIER_STATE),
+    write_durably(os.path.join(store_dir, TIER_STATE),
                 json.dumps({"epoch": epoch, "next": epoch + 1, "clean": True}).encode())
     report.update(epoch=epoch, checkpoint=bool(cp), seconds=time.monotonic() - t0,
                   packs_in_bucket=len(cp.packs) if cp else 0)

@@ -84,6 +84,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         else:
             prefix = ""
             items = [(args.path, e)]
+    return _print_listing(args, prefix, items)
+
+
+def _print_listing(args: argparse.Namespace, prefix: str, items: list[tuple[str, Any]]
+                   ) -> int:
     if args.json:
         print_json([entry_json(prefix + name, c) | {"name": name} for name, c in items])
     elif args.long:
@@ -190,15 +195,7 @@ def _ws_ls(args: argparse.Namespace, store: Any, volume: str, sid: str) -> int:
             items = [(n, entry_of(os.path.join(where, n))) for n in names]
         else:
             prefix, items = "", [(args.path, e)]
-    if args.json:
-        print_json([entry_json(prefix + name, c) | {"name": name} for name, c in items])
-    elif args.long:
-        for name, c in items:
-            print(long_line(show_path(name), c))
-    else:
-        for name, _c in items:
-            print(show_path(name))
-    return 0
+    return _print_listing(args, prefix, items)
 
 
 def _ws_cat(args: argparse.Namespace, store: Any, volume: str, sid: str) -> int:

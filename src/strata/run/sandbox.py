@@ -139,15 +139,8 @@ def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
     if sandbox == "gvisor":
         if shutil.which("runsc") is None:
             raise InvalidInput("gVisor (runsc) is not installed")
-        bundle = os.path.join(workdir, "bundle")
-        os.makedirs(bundle, exist_ok=True)
         config = _oci_config(argv, env, storage, network=network, memory=memory)
-        with open(os.path.join(bundle, "config.json"), "w") as f:
-            json.dump(config, f)
-        cmd = ["runsc", "--root", os.path.join(workdir, "runsc-root"),
-               "--network=host" if network else "--network=none", "--platform=ptrace",
-               "--ignore-cgroups", "run", "--bundle", bundle, f"strata-{run_id}"]
-        return cmd, env
+        return _runsc(config, workdir, run_id, network=network), env
     raise InvalidInput(f"unknown sandbox {sandbox!r} (use {', '.join(SANDBOXES)})")
 
 
@@ -181,15 +174,21 @@ def _root_command(sandbox: str, argv: list[str], root: str, env: dict[str, str],
     if sandbox == "gvisor":
         if shutil.which("runsc") is None:
             raise InvalidInput("gVisor (runsc) is not installed")
-        bundle = os.path.join(workdir, "bundle")
-        os.makedirs(bundle, exist_ok=True)
         config = _oci_config(argv, env, "", network=network, memory=memory, root=root)
-        with open(os.path.join(bundle, "config.json"), "w") as f:
-            json.dump(config, f)
-        return ["runsc", "--root", os.path.join(workdir, "runsc-root"),
-                "--network=host" if network else "--network=none", "--platform=ptrace",
-                "--ignore-cgroups", "run", "--bundle", bundle, f"strata-{run_id}"], env
+        return _runsc(config, workdir, run_id, network=network), env
     raise InvalidInput(f"a workspace root needs a sandbox (bwrap or gvisor), not {sandbox!r}")
+
+
+def _runsc(config: dict[str, object], workdir: str, run_id: str, *, network: bool
+           ) -> list[str]:
+    """Write the OCI bundle under `workdir`; the runsc command that runs it."""
+    bundle = os.path.join(workdir, "bundle")
+    os.makedirs(bundle, exist_ok=True)
+    with open(os.path.join(bundle, "config.json"), "w") as f:
+        json.dump(config, f)
+    return ["runsc", "--root", os.path.join(workdir, "runsc-root"),
+            "--network=host" if network else "--network=none", "--platform=ptrace",
+            "--ignore-cgroups", "run", "--bundle", bundle, f"strata-{run_id}"]
 
 
 def _oci_config(argv: list[str], env: dict[str, str], storage: str, *, network: bool,

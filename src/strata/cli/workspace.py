@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata.cli.common import (
     fmt_time,
@@ -14,12 +14,13 @@ from strata.cli.common import (
     parse_ref,
     parse_size,
     print_json,
-    server_url,
     short,
-    store_path,
 )
 from strata.engine.errors import InvalidInput
 from strata.engine.names import check_branch
+
+if TYPE_CHECKING:
+    from strata.server.client import RemoteStore
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -80,26 +81,22 @@ def cmd_create(args: argparse.Namespace) -> int:
     with open_store(args) as store:
         head = create(store, args.name, Layout(size=size, block=args.block_size))
     if args.seed is not None:
-        head = _seed(args, args.seed)
+        with open_remote(args) as remote:
+            head = _seed(remote, args.name, args.seed)
     print(head)
     return 0
 
 
-def _seed(args: argparse.Namespace, source: str) -> str:
+def _seed(store: RemoteStore, name: str, source: str) -> str:
     import subprocess
     import tempfile
 
     from strata.workspace.attach import attach, detach
     if not os.path.isdir(source):
         raise InvalidInput(f"{source} is not a directory")
-    url = server_url(args)
-    if url is None:
-        from strata.cli.common import ensure_server
-        url = "unix:" + ensure_server(store_path(args))
-    token = getattr(args, "token", None) or os.environ.get("STRATA_TOKEN") or None
     target = tempfile.mkdtemp(prefix="strata-seed-")
     try:
-        attach(url, token, args.name, "live", target)
+        attach(store.url, store.token, name, "live", target)
         try:
             p = subprocess.run(["cp", "-a", "--", os.path.join(source, "."), target],
                                capture_output=True, text=True)
@@ -110,27 +107,16 @@ def _seed(args: argparse.Namespace, source: str) -> str:
     finally:
         with contextlib.suppress(OSError):
             os.rmdir(target)  # only when empty: never into a mounted workspace
-    with open_store(args) as store:
-        return store.head(args.name, "live")
+    return store.head(name, "live")
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
     from strata.workspace.attach import attach
     ref = parse_ref(args.name)
-    url = server_url(args)
-    token = getattr(args, "token", None) or os.environ.get("STRATA_TOKEN") or None
-    if url is None:
-        from strata.cli.common import ensure_server
-        url = "unix:" + ensure_server(store_path(args))
-    sid = ""
-    if ref.snapshot:
-        from strata.server.client import RemoteStore
-        store = RemoteStore(url, token)
-        try:
-            sid = ref.resolve(store)
-        finally:
-            store.close()
-    att = attach(url, token, ref.volume, ref.branch or "live", args.dir, snapshot=sid)
+    with open_remote(args) as store:
+        sid = ref.resolve(store) if ref.snapshot else ""
+        att = attach(store.url, store.token, ref.volume, ref.branch or "live", args.dir,
+                     snapshot=sid)
     what = f"{ref.volume}#{sid[:12]} (read-only)" if sid else f"{ref.volume}@{att.branch}"
     print(f"attached {what} at {att.dir}")
     return 0

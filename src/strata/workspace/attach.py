@@ -377,11 +377,10 @@ def attach(server: str, token: str | None, volume: str, branch: str, directory: 
     if os.path.ismount(directory):
         raise InvalidInput(f"something is mounted on {directory} already")
     att = Attached(volume, branch, directory, server, token, snapshot=snapshot)
-    with contextlib.suppress(FileNotFoundError):
-        if json.load(open(os.path.join(att.state_dir, "state.json"))).get("pid"):
-            old = Attached.load(directory)
-            if _alive(old.pid):
-                raise InvalidInput(f"{directory} has a workspace attached (pid {old.pid})")
+    with contextlib.suppress(NotFound):
+        old = Attached.load(directory)
+        if old.pid and _alive(old.pid):
+            raise InvalidInput(f"{directory} has a workspace attached (pid {old.pid})")
     shutil.rmtree(att.state_dir, ignore_errors=True)
     os.makedirs(att.state_dir, mode=0o700)
     att.save()

@@ -132,7 +132,6 @@ class Device:
         self._writes = 0                         # counts writes, for read-modify-write
         self._written: set[int] | None = None    # extents the head holds, once listed
         self.fenced: str | None = None           # why writes are refused, once fenced
-        self.flushes = 0
 
     # -- reading ---------------------------------------------------------------------
 
@@ -419,7 +418,6 @@ class Device:
                 for i, content in batch.items():
                     self._remember(i, content)
                 self._flushing = {}
-            self.flushes += 1
             return head
 
     def _publish(self, batch: dict[int, bytes], message: str,

@@ -40,10 +40,9 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
 
-    def __init__(self, device: Device, on_flush: Callable[[], None] | None = None) -> None:
+    def __init__(self, device: Device) -> None:
         super().__init__()
         self.device = device
-        self.on_flush = on_flush
 
     def _attr(self, inode: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -112,8 +111,6 @@ class Operations(pyfuse3.Operations):
 
     async def fsync(self, fh: int, datasync: bool) -> None:
         await _call(self.device.flush)
-        if self.on_flush is not None:
-            self.on_flush()
 
     async def flush(self, fh: int) -> None:
         return None  # close() is not a barrier; fsync is
@@ -129,13 +126,13 @@ class Operations(pyfuse3.Operations):
         return s
 
 
-def serve(device: Device, mountpoint: str, *, on_ready: Callable[[], None] | None = None,
-          on_flush: Callable[[], None] | None = None) -> None:
+def serve(device: Device, mountpoint: str, *, on_ready: Callable[[], None] | None = None
+          ) -> None:
     """Serve the device file at `mountpoint/disk` until unmounted (blocks)."""
     options = set(pyfuse3.default_options)
     options |= {"fsname=strata-workspace", "subtype=strata"}
     options.discard("default_permissions")
-    pyfuse3.init(Operations(device, on_flush), mountpoint, options)
+    pyfuse3.init(Operations(device), mountpoint, options)
 
     async def main() -> None:
         if on_ready is not None:

@@ -16,8 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import WsEnv
+from ws_harness import WsEnv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mount"))
 from fsutil import diff_states, tree_state, varied_tree  # noqa: E402

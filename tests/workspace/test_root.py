@@ -8,8 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from conftest import WsEnv, tiny_root
+from ws_harness import WsEnv, tiny_root
 
 SANDBOXES = ["bwrap", pytest.param("gvisor", marks=pytest.mark.skipif(
     shutil.which("runsc") is None, reason="gVisor (runsc) is not installed"))]

@@ -10,8 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from conftest import WsEnv
+from ws_harness import WsEnv
 
 WRITER = str(Path(__file__).with_name("ws_writer.py"))
 

@@ -34,7 +34,6 @@ from strata.engine.errors import (
     Unavailable,
     no_object,
 )
-from strata.engine.interface import ChangeSet
 from strata.engine.local import LocalStore
 from strata.engine.names import check_branch, check_hex_id, check_volume
 from strata.server import events as events_mod
@@ -588,24 +587,24 @@ async def publish(request: web.Request) -> web.Response:
     state = request.app[STATE]
     scope = _scope(request)
     scope.check_write()  # a read-only token is refused before a byte of its body is read
-    changesets, objects, txid = wire.decode_publish(await _body(request))
-    for cs in changesets:
+    req = wire.decode_publish(await _body(request))
+    for cs in req.changesets:
         scope.check_branch(cs.volume, cs.branch, write=True)
         if not scope.is_owner:
             await _check_visible(request, cs.volume, cs.base)
-    heads, prefetch = await state.run(publish_now, state, scope, changesets, objects, txid)
+    heads, prefetch = await state.run(publish_now, state, scope, req)
     return web.json_response({"heads": heads, "prefetch": [
         [oid, base64.b64encode(raw).decode()] for oid, raw in prefetch]})
 
 
-def publish_now(state: ServerState, scope: Scope, changesets: list[ChangeSet],
-                objects: list[tuple[int, bytes]], txid: bytes | None
+def publish_now(state: ServerState, scope: Scope, req: wire.Publish
                 ) -> tuple[list[str], list[tuple[str, bytes]]]:
     """Publish (blocks: the group commit's fdatasync); the heads and what to prefetch.
 
     Shared by the HTTP handler and the unix socket's lean stream (server/lean.py).
     """
     store = state.need_store()
+    changesets, objects, txid = req.changesets, req.objects, req.txid
     if scope.volume is not None:
         store.check_refs_reachable(scope.volume, changesets, objects)
     store.check_tree_refs(objects)
@@ -617,7 +616,7 @@ def publish_now(state: ServerState, scope: Scope, changesets: list[ChangeSet],
     # Noted here, in the thread that published: a client that hangs up now
     # cancels the handler, not this.
     state.events.note_publish(changesets, heads, txid)
-    return heads, _prefetch(store, heads, nodes)
+    return heads, _prefetch(store, heads, nodes) if req.prefetch else []
 
 
 def _prefetch(store: LocalStore, heads: list[str], nodes: dict[bytes, bytes]

@@ -258,8 +258,10 @@ class RemoteStore(Store):
     verifies_reads = True
 
     def __init__(self, url: str, token: str | None = None, *, retry_for: float = 30.0,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, prefetch: bool = True) -> None:
         self.url = url
+        # False: a publish answers with the heads alone (the caller keeps its own map).
+        self.prefetch = prefetch
         self.kind, self.where, self.port = parse_server(url)
         self.token = token
         self.retry_for = retry_for
@@ -506,7 +508,8 @@ class RemoteStore(Store):
             raise InvalidInput("nothing to publish")
         # One id for every attempt of this publish: `request` may send it again
         # after a lost answer, and the store recognises its own work.
-        body = wire.encode_publish(changesets, objects, txid=txid or os.urandom(16))
+        body = wire.encode_publish(changesets, objects, txid=txid or os.urandom(16),
+                                   prefetch=self.prefetch)
         got = self._lean_call("publish", body)
         if got is not _MISS:
             if not isinstance(got, dict) or not isinstance(got.get("heads"), list):

@@ -6,30 +6,34 @@ of length-prefixed msgpack frames, one request and then its answer at a
 time per connection (docs/api.md, "The lean stream"). It serves only the
 hot calls: `get` (one object), `get_many` (a batch read), `publish`. The
 HTTP API stays the whole surface; a client falls back to it whenever this
-socket is missing or answers "changing owner".
+socket is missing, full, or answers "changing owner".
+
+Each connection has a thread of its own, outside the event loop: it reads a
+frame, calls the engine and writes the answer, with no hop between threads
+(a publish waits for the group commit's fdatasync in that thread). At most
+MAX_CONNECTIONS are served at once; the next one is closed at once, and its
+client uses HTTP for a moment.
 
 Rules, as on the HTTP side:
 - a connection on the unix socket is the store's owner (the socket is
   0600 in a 0700 directory), exactly as the HTTP middleware decides;
 - every byte is untrusted: the frame length is checked against MAX_BODY and
-  held in the server's body budget before the body is read; the request is
+  held in the stream's body budget before the body is read; the request is
   decoded and every field checked before the store is touched;
 - answers are bounded like the HTTP ones (MAX_BATCH_GET ids, MAX_BATCH_ANSWER
-  bytes, held in the answer budget until written);
-- requests count as in flight, so a handoff or stop drains them; once the
-  store is gone a connection gets "changing owner" and is closed.
-
-Reads of small objects run on the event loop (a pread of a few pages; no
-executor hop). A publish still runs on the executor: the engine's call
-includes the group commit's fdatasync wait.
+  bytes, held in the stream's answer budget until written);
+- requests count as in flight, so a handoff or stop drains them (`drain`);
+  once the store is gone a connection gets "changing owner" and is closed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import socket
 import struct
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -42,63 +46,123 @@ from strata.server import wire
 from strata.server.tokens import OWNER
 
 FRAME = struct.Struct(">I")
-INLINE_READ = 256 * 1024  # objects (and small batches) up to this size are read on the loop
-INLINE_IDS = 16  # a batch of at most this many ids is sized on the loop
+MAX_CONNECTIONS = 64  # connections served at once (a thread each)
+IO_TIMEOUT = 60.0     # a frame started must arrive within this (an idle connection may wait)
+
+
+class Budget:
+    """Bytes held at once by the stream's requests or answers (threads wait for room)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, n: int) -> Iterator[None]:
+        if n < api.LARGE_BODY:
+            yield
+            return
+        n = min(n, self.limit)
+        with self._cond:
+            self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= n
+                self._cond.notify_all()
 
 
 class LeanServer:
-    def __init__(self, state: api.ServerState) -> None:
+    def __init__(self, state: api.ServerState, listener: socket.socket) -> None:
         self.state = state
-        self.connections: set[asyncio.StreamWriter] = set()
+        self.listener = listener
+        self.budget = Budget(api.BODY_BUDGET)
+        self.answers = Budget(api.ANSWER_BUDGET)
+        self.inflight = 0
+        self._cond = threading.Condition()  # guards inflight, connections, closed
+        self.connections: set[socket.socket] = set()
+        self.closed = False
+        self._acceptor = threading.Thread(target=self._accept, name="strata-lean-accept",
+                                          daemon=True)
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections.add(writer)
+    def start(self) -> None:
+        self._acceptor.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _addr = self.listener.accept()
+            except OSError:
+                if self.closed:
+                    return
+                time.sleep(0.01)  # EMFILE and the like: try again
+                continue
+            with self._cond:
+                refuse = self.closed or len(self.connections) >= MAX_CONNECTIONS
+                if not refuse:
+                    self.connections.add(conn)
+            if refuse:
+                conn.close()  # the client falls back to HTTP
+                continue
+            threading.Thread(target=self.serve, args=(conn,), name="strata-lean",
+                             daemon=True).start()
+
+    def serve(self, conn: socket.socket) -> None:
         try:
             while True:
-                head = await reader.readexactly(FRAME.size)
+                conn.settimeout(None)  # an idle connection may wait for its next request
+                head = _recv_exactly(conn, FRAME.size)
+                conn.settimeout(IO_TIMEOUT)
                 (length,) = FRAME.unpack(head)
                 if length > wire.MAX_BODY:
                     # The frame cannot be skipped safely: answer, then hang up.
-                    await self._answer(writer, api.TooLarge(
-                        f"request frame over {wire.MAX_BODY} bytes"))
+                    self._answer(conn, api.TooLarge(f"request frame over {wire.MAX_BODY} bytes"))
                     return
-                keep = await self._one(reader, writer, length)
-                if not keep:
+                if not self._one(conn, length):
                     return
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return  # the client hung up, perhaps mid-frame: nothing to answer
+        except (EOFError, OSError):
+            return  # the client hung up, perhaps mid-frame, or stalled: nothing to answer
         finally:
-            self.connections.discard(writer)
-            with contextlib.suppress(Exception):
-                writer.close()
+            with self._cond:
+                self.connections.discard(conn)
+            with contextlib.suppress(OSError):
+                conn.close()
 
-    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                   length: int) -> bool:
-        """One request; False when the connection must close (the store has gone)."""
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        """The request counts as in flight, if the store is being served (else raises)."""
         state = self.state
+        with self._cond:
+            state.need_store()  # under the lock: `drain` cannot miss this request
+            self.inflight += 1
         state.last_request = time.monotonic()
         try:
-            state.need_store()
-            state.inflight += 1
-            state.idle.clear()
-            try:
-                async with state.budget.hold(length):
-                    body = await reader.readexactly(length)
-                    result = await self._dispatch(body)
-            finally:
-                state.inflight -= 1
-                if state.inflight == 0:
-                    state.idle.set()
+            yield
+        finally:
+            with self._cond:
+                self.inflight -= 1
+                if self.inflight == 0:
+                    self._cond.notify_all()
+
+    def _one(self, conn: socket.socket, length: int) -> bool:
+        """One request; False when the connection must close (the store has gone)."""
+        try:
+            with contextlib.ExitStack() as answer_held:  # an answer's bytes, until sent
+                with self._counted(), self.budget.hold(length):
+                    body = _recv_exactly(conn, length)
+                    result = self._dispatch(body, answer_held)
+                _send(conn, [0, result])
         except StrataError as exc:
-            await self._answer(writer, exc)
-            return not (isinstance(exc, Unavailable) and state.mode != "serving")
+            self._answer(conn, exc)
+            return not (isinstance(exc, Unavailable) and self.state.mode != "serving")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as exc:
-            await self._answer(writer, InvalidInput(f"malformed request: {exc}"))
-            return True
-        await self._send(writer, [0, result])
+            self._answer(conn, InvalidInput(f"malformed request: {exc}"))
         return True
 
-    async def _dispatch(self, body: bytes) -> Any:
+    def _dispatch(self, body: bytes, answer_held: contextlib.ExitStack) -> Any:
         try:
             # unpackb bounds every string, array and map by the body's own length.
             req = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
@@ -109,80 +173,97 @@ class LeanServer:
             raise InvalidInput("a lean request is [op, args...]")
         op, args = req[0], req[1:]
         if op == "get" and len(args) == 1:
-            return await self._get(_oid(args[0]))
+            return self._get(_oid(args[0]), answer_held)
         if op == "get_many" and len(args) == 1 and isinstance(args[0], list):
-            return await self._get_many([_oid(o) for o in args[0]])
+            return self._get_many([_oid(o) for o in args[0]], answer_held)
         if op == "publish" and len(args) == 1 and isinstance(args[0], bytes):
-            return await self._publish(args[0])
+            return self._publish(args[0])
         raise InvalidInput(f"no lean operation {op!r} taking these arguments")
 
-    async def _get(self, oid: bytes) -> bytes:
-        state = self.state
-        store = state.need_store()
+    def _get(self, oid: bytes, answer_held: contextlib.ExitStack) -> bytes:
+        store = self.state.need_store()
         n = store.object_size(oid)  # NotFound for an unknown id
-        if n <= INLINE_READ:
-            raw = store.get_object(oid)
-        else:
-            async with state.answers.hold(n):
-                raw = await state.run(store.get_object, oid)
-        state.served["objects_served"] += 1
-        state.served["bytes_served"] += len(raw)
+        answer_held.enter_context(self.answers.hold(n))
+        raw = store.get_object(oid)
+        self._served(1, len(raw))
         return raw
 
-    async def _get_many(self, ids: list[bytes]) -> list[bytes]:
+    def _get_many(self, ids: list[bytes], answer_held: contextlib.ExitStack) -> list[bytes]:
         """The first objects of `ids` that fit one answer (at least one): as HTTP's batch read."""
         if not ids:
             return []
         if len(ids) > api.MAX_BATCH_GET:
             raise InvalidInput(f"at most {api.MAX_BATCH_GET} ids per batch read")
-        state = self.state
-        store = state.need_store()
-
-        def sizes() -> list[int]:
-            out: list[int] = []
-            total = 0
-            for oid in ids:
-                n = store.object_size(oid)
-                if out and total + n > api.MAX_BATCH_ANSWER:
-                    break
-                out.append(n)
-                total += n
-            return out
-
-        # A small batch (a file's few blocks) is read on the loop: no executor hops.
-        got = sizes() if len(ids) <= INLINE_IDS else await state.run(sizes)
-        todo = ids[:len(got)]
-        if sum(got) <= INLINE_READ:
-            raws = [store.get_object(o) for o in todo]
-        else:
-            async with state.answers.hold(sum(got)):
-                raws = await state.run(lambda: [store.get_object(o) for o in todo])
-        state.served["objects_served"] += len(raws)
-        state.served["bytes_served"] += sum(len(r) for r in raws)
+        store = self.state.need_store()
+        sizes: list[int] = []
+        total = 0
+        for oid in ids:
+            n = store.object_size(oid)
+            if sizes and total + n > api.MAX_BATCH_ANSWER:
+                break
+            sizes.append(n)
+            total += n
+        answer_held.enter_context(self.answers.hold(total))
+        raws = [store.get_object(o) for o in ids[:len(sizes)]]
+        self._served(len(raws), sum(len(r) for r in raws))
         return raws
 
-    async def _publish(self, body: bytes) -> dict[str, Any]:
-        changesets, objects, txid = wire.decode_publish(body)
-        heads, prefetch = await self.state.run(api.publish_now, self.state, OWNER, changesets,
-                                               objects, txid)
+    def _publish(self, body: bytes) -> dict[str, Any]:
+        heads, prefetch = api.publish_now(self.state, OWNER, wire.decode_publish(body))
         return {"heads": heads, "prefetch": [[oid, raw] for oid, raw in prefetch]}
 
-    async def _answer(self, writer: asyncio.StreamWriter, exc: StrataError) -> None:
+    def _served(self, objects: int, nbytes: int) -> None:
+        with self._cond:
+            self.state.served["objects_served"] += objects
+            self.state.served["bytes_served"] += nbytes
+
+    def _answer(self, conn: socket.socket, exc: StrataError) -> None:
         body = wire.error_body(exc)
         if isinstance(exc, api.ChangingOwner):
             body["retry_after"] = exc.retry_after
-        await self._send(writer, [exc.http_status, body])
+        _send(conn, [exc.http_status, body])
 
-    async def _send(self, writer: asyncio.StreamWriter, answer: list[Any]) -> None:
-        data = msgpack.packb(answer, use_bin_type=True)
-        writer.write(FRAME.pack(len(data)))
-        writer.write(data)
-        await writer.drain()
+    def busy(self) -> bool:
+        return self.inflight > 0
+
+    def drain(self) -> None:
+        """Wait until no request is in flight (the caller has stopped serving the store)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.inflight == 0)
 
     def close(self) -> None:
-        for w in list(self.connections):
-            with contextlib.suppress(Exception):
-                w.close()
+        """Stop accepting and hang up every connection (a request being answered ends)."""
+        with self._cond:
+            self.closed = True
+            conns = list(self.connections)
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        self._acceptor.join(timeout=5)
+        self.listener.close()
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            raise EOFError
+        got += k
+    return bytes(buf)
+
+
+def _send(conn: socket.socket, answer: list[Any]) -> None:
+    data = msgpack.packb(answer, use_bin_type=True)
+    if len(data) <= 256 * 1024:
+        conn.sendall(FRAME.pack(len(data)) + data)  # one write, one wake-up
+    else:
+        conn.sendall(FRAME.pack(len(data)))
+        conn.sendall(data)
 
 
 def _oid(value: Any) -> bytes:

@@ -113,9 +113,9 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     # The lean stream beside the store's own socket (server/lean.py): published,
     # handed off and removed with the HTTP listeners.
     lean_listener = _bind(f"unix:{lean_path(own[5:])}", store_dir)
-    lean = LeanServer(state)
-    lean_site = await asyncio.start_unix_server(lean.serve, sock=lean_listener.sock,
-                                                limit=64 * 1024)
+    lean_listener.sock.setblocking(True)  # accepted in a thread of its own
+    lean = LeanServer(state, lean_listener.sock)
+    lean.start()
     listeners.append(lean_listener)
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
@@ -156,7 +156,6 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
         state.store = await loop.run_in_executor(state.executor,
                                                  lambda: LocalStore(store_dir, cfg))
     except BaseException:
-        lean_site.close()
         lean.close()
         await _close_listeners(runner, listeners)
         raise
@@ -175,6 +174,7 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
         state.mode = "draining"
         state.events.close()  # event streams end; their readers resume from the successor
         await state.idle.wait()
+        await loop.run_in_executor(None, lean.drain)
         store, state.store = state.store, None
         if store is not None:
             await loop.run_in_executor(state.executor, store.close)
@@ -199,7 +199,8 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     async def watch_idle(limit: float) -> None:
         while not done.is_set():
             await asyncio.sleep(min(limit, 1.0))
-            if state.inflight == 0 and time.monotonic() - state.last_request > limit:
+            quiet = time.monotonic() - state.last_request > limit
+            if quiet and state.inflight == 0 and not lean.busy():
                 await on_stop()
                 return
 
@@ -239,7 +240,6 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     await done.wait()
     for task in tasks:
         task.cancel()
-    lean_site.close()
     lean.close()
     await _close_listeners(runner, listeners, unlink="handed off" not in result.notes)
     state.executor.shutdown(wait=True)

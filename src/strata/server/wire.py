@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from strata.engine import errors
 from strata.engine.errors import InvalidInput, StrataError
@@ -171,18 +171,33 @@ def _check_structure(kind: int, raw: bytes, oid: bytes) -> None:
                            f"{exc}") from None
 
 
+class Publish(NamedTuple):
+    """A decoded publish request."""
+
+    changesets: list[ChangeSet]
+    objects: list[tuple[int, bytes]]
+    txid: bytes | None        # None if the client sent none
+    prefetch: bool            # send the new snapshots and tree nodes back
+
+
 def encode_publish(changesets: Sequence[ChangeSet],
                    objects: Sequence[tuple[int, bytes]] = (), *,
-                   txid: bytes | None = None) -> bytes:
-    """A publish request: the change sets plus objects to store with them."""
-    return packb({"changesets": _changesets(changesets),
-                  "objects": encode_objects(objects) if objects else None,
-                  "txid": txid})
+                   txid: bytes | None = None, prefetch: bool = True) -> bytes:
+    """A publish request: the change sets plus objects to store with them.
+
+    `prefetch=False` asks for the heads alone: a client that keeps its own
+    map of what it published (a workspace device) reads nothing back.
+    """
+    req: dict[str, Any] = {"changesets": _changesets(changesets),
+                           "objects": encode_objects(objects) if objects else None,
+                           "txid": txid}
+    if not prefetch:
+        req["prefetch"] = False
+    return packb(req)
 
 
-def decode_publish(body: bytes
-                   ) -> tuple[list[ChangeSet], list[tuple[int, bytes]], bytes | None]:
-    """Change sets, objects and the publish id (None if the client sent none)."""
+def decode_publish(body: bytes) -> Publish:
+    """Change sets, objects, the publish id and whether to prefetch."""
     try:
         raw = unpackb(body)
     except ValueError as exc:
@@ -195,8 +210,11 @@ def decode_publish(body: bytes
     txid = raw.get("txid")
     if txid is not None and (not isinstance(txid, bytes) or len(txid) != TXID_LEN):
         raise InvalidInput(f"'txid' must be {TXID_LEN} bytes")
-    return (_decode_changesets(raw["changesets"]), decode_objects(objs) if objs else [],
-            txid)
+    prefetch = raw.get("prefetch", True)
+    if not isinstance(prefetch, bool):
+        raise InvalidInput("'prefetch' must be true or false")
+    return Publish(_decode_changesets(raw["changesets"]),
+                   decode_objects(objs) if objs else [], txid, prefetch)
 
 
 def _changesets(changesets: Sequence[ChangeSet]) -> list[dict[str, Any]]:

@@ -311,7 +311,7 @@ def run_daemon(att: Attached, report: int | None) -> int:
             os.close(report)
             report = None
 
-    store = RemoteStore(att.server, att.token)
+    store = RemoteStore(att.server, att.token, prefetch=False)  # its device keeps its own map
     daemon = Daemon(store, att)
     os.makedirs(daemon.devdir, exist_ok=True)
     try:

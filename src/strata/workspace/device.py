@@ -398,27 +398,47 @@ class Device:
         if self.scratch:
             return self.head
         with self._flush_lock:
-            self._check_writable()
-            with self._lock:
-                if not self._dirty and not message:
-                    return self.head
-                self._flushing, self._dirty = self._dirty, {}
-                self._dirty_bytes = 0
-                batch = dict(self._flushing)
-            try:
-                head = self._publish(batch, message, meta or {})
-            except BaseException:
-                with self._lock:  # keep what did not land, under anything written since
-                    batch.update(self._dirty)
-                    self._dirty = batch
-                    self._dirty_bytes = sum(len(v) for v in batch.values())
-                    self._flushing = {}
-                raise
-            with self._lock:
-                for i, content in batch.items():
-                    self._remember(i, content)
+            return self._flush_locked(message, meta or {})
+
+    def try_flush(self, limit: int) -> bool:
+        """`flush` now if at most `limit` bytes are dirty and no other flush runs.
+
+        The FUSE adapter calls this on its event loop (a small flush, such as
+        a journal commit's, costs one publish and no thread hop) and falls
+        back to `flush` in a thread when it returns False.
+        """
+        if self.scratch:
+            return True
+        if self._dirty_bytes > limit or not self._flush_lock.acquire(blocking=False):
+            return False
+        try:
+            self._flush_locked("", {})
+        finally:
+            self._flush_lock.release()
+        return True
+
+    def _flush_locked(self, message: str, meta: dict[str, object]) -> str:
+        self._check_writable()
+        with self._lock:
+            if not self._dirty and not message:
+                return self.head
+            self._flushing, self._dirty = self._dirty, {}
+            self._dirty_bytes = 0
+            batch = dict(self._flushing)
+        try:
+            head = self._publish(batch, message, meta)
+        except BaseException:
+            with self._lock:  # keep what did not land, under anything written since
+                batch.update(self._dirty)
+                self._dirty = batch
+                self._dirty_bytes = sum(len(v) for v in batch.values())
                 self._flushing = {}
-            return head
+            raise
+        with self._lock:
+            for i, content in batch.items():
+                self._remember(i, content)
+            self._flushing = {}
+        return head
 
     def _publish(self, batch: dict[int, bytes], message: str,
                  meta: dict[str, object]) -> str:

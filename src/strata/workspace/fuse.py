@@ -25,14 +25,26 @@ DISK = ROOT + 1
 NAME = b"disk"
 
 
+# A flush of at most this many dirty bytes runs on the event loop: its publish
+# takes about a millisecond, less than the hop to a thread and back costs
+# beside it. Larger ones (write-back of a big copy) run in a thread, so
+# reads and writes go on meanwhile.
+INLINE_FLUSH = 1 << 20
+
+
+def _report(exc: Exception) -> None:
+    """Log why a request fails with EIO (the store is unreachable, damaged, or fenced us)."""
+    if isinstance(exc, DeviceError):
+        print(f"strata workspace: {exc}", flush=True)
+    else:
+        print(f"strata workspace: {type(exc).__name__}: {exc}", flush=True)
+
+
 async def _call(fn: Callable[..., T], *args: Any) -> T:
     try:
         return await trio.to_thread.run_sync(fn, *args)
-    except DeviceError as exc:
-        print(f"strata workspace: {exc}", flush=True)
-        raise pyfuse3.FUSEError(errno.EIO) from None
-    except Exception as exc:  # the store is unreachable or damaged: an I/O error
-        print(f"strata workspace: {type(exc).__name__}: {exc}", flush=True)
+    except Exception as exc:
+        _report(exc)
         raise pyfuse3.FUSEError(errno.EIO) from None
 
 
@@ -105,11 +117,17 @@ class Operations(pyfuse3.Operations):
             if self.device.try_write(off, buf):  # nothing to fetch: no thread hop
                 return len(buf)
         except DeviceError as exc:
-            print(f"strata workspace: {exc}", flush=True)
+            _report(exc)
             raise pyfuse3.FUSEError(errno.EIO) from None
         return await _call(self.device.write, off, buf)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
+        try:
+            if self.device.try_flush(INLINE_FLUSH):  # a journal commit: no thread hop
+                return
+        except Exception as exc:
+            _report(exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
         await _call(self.device.flush)
 
     async def flush(self, fh: int) -> None:

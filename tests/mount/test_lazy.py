@@ -17,6 +17,7 @@ import pytest
 from mount_harness import MountEnv
 
 from strata.engine.txn import Transaction
+from strata.mount.fuse import READ_AHEAD_KB
 from strata.mount.readahead import MIN_AHEAD, REQUEST_BYTES
 from strata.server.client import RemoteStore, default_socket
 
@@ -115,6 +116,33 @@ def test_large_file_reads_fetch_only_the_blocks_read(menv: MountEnv,
     assert final[0] - again[0] <= 8, (again, final)
     assert final[1] - again[1] <= 8 * BLOCK, (again, final)
     menv.unmount(m2)
+
+
+def _fuse_device(scratch: Path) -> str:
+    """The device ("0:N") of the FUSE view under `scratch`, from /proc/self/mountinfo."""
+    with open("/proc/self/mountinfo") as f:
+        found = [line.split() for line in f]
+    return next(fields[2] for fields in found
+                if fields[4].startswith(str(scratch)) and fields[4].endswith("/lower"))
+
+
+def test_the_view_reads_ahead_a_mebibyte_and_fetches_each_block_once(
+        menv: MountEnv, lazy_vol: RemoteStore) -> None:
+    # A new FUSE mount reads ahead 128 KiB; the mount process raises it once the
+    # kernel has taken its INIT answer, so sequential reads come in 1 MiB requests.
+    m = menv.mount("v")
+    os.stat(m / "big")  # the root's nodes, so they are not counted below
+    before = _served(lazy_vol)
+    with open(m / "big", "rb", buffering=0) as f:
+        got = b"".join(iter(lambda: f.read(MIB), b""))
+    after = _served(lazy_vol)
+    assert got == _big_bytes()
+    bdi = Path("/sys/class/bdi") / _fuse_device(menv.root / "scratch") / "read_ahead_kb"
+    assert int(bdi.read_text()) == READ_AHEAD_KB
+    # The kernel's and the mount's read-ahead overlap, yet every block comes once
+    # (and the file's block list, unless the lookup brought it already).
+    assert BIG // BLOCK <= after[0] - before[0] <= BIG // BLOCK + 1, (before, after)
+    menv.unmount(m)
 
 
 def test_small_files_are_fetched_whole_at_open(menv: MountEnv, tmp_path: Path) -> None:

@@ -1,5 +1,9 @@
 """The CLI's import budget: `strata ls` must not pull in the heavy half of strata.
 
+`strata ls` first tries its fast path (cli/fastls.py: one request on the lean
+stream, no argparse, no engine codecs); the ordinary path (argparse, the
+remote store, the tree code) serves every other form and has a budget too.
+
 Every `strata` command pays for what it imports before it does anything, and
 agents call the CLI thousands of times a day. These tests run real processes
 (`python -X importtime -m strata ...` against a real store and its server) and
@@ -32,17 +36,37 @@ FORBIDDEN = (
     "strata.server.ui",
 )
 
-# Every strata module `strata ls` may import, and no more.
+# What the fast path must not import either: what it exists to avoid.
+FAST_FORBIDDEN = FORBIDDEN + (
+    "argparse", "socket", "selectors", "typing", "dataclasses", "json", "gettext",
+    "strata.cli.common", "strata.cli.parser", "strata.engine.objects",
+    "strata.engine.tree", "strata.server",
+)
+
+# Every strata module the fast `strata ls` may import, and no more.
+LS_FAST_MODULES = {
+    "strata", "strata.cli", "strata.cli.main", "strata.cli.fastls", "strata.cli.show",
+    "strata.engine", "strata.engine.errors", "strata.engine.kinds",
+}
+
+# All modules of a fast `strata ls`, the interpreter's own start-up included (62
+# under `python -m` when this was written; `python -c pass` imports 25); `--json`
+# adds the json package and what it imports (13 more).
+LS_FAST_BUDGET = 65
+LS_FAST_JSON_EXTRA = 15
+
+# Every strata module the ordinary `strata ls` may import, and no more.
 LS_STRATA_MODULES = {
     "strata", "strata.cli", "strata.cli.common", "strata.cli.main", "strata.cli.read",
+    "strata.cli.parser", "strata.cli.show", "strata.cli.fastls", "strata.engine.kinds",
     "strata.engine", "strata.engine.errors", "strata.engine.names", "strata.engine.objects",
     "strata.engine.tree", "strata.engine.interface", "strata.engine.storedir",
     "strata.server", "strata.server.wire", "strata.server.client",
     "strata.workspace",  # is the snapshot a workspace? (one constant, one lookup)
 }
 
-# All modules, the interpreter's own start-up included (about 117 when this was written).
-LS_MODULE_BUDGET = 130
+# All modules, the interpreter's own start-up included (120 when this was written).
+LS_MODULE_BUDGET = 125
 
 
 def _env(store: Path) -> dict[str, str]:
@@ -83,8 +107,30 @@ def store(tmp_path: Path) -> Iterator[Path]:
     subprocess.run([*strata, "serve", "--stop"], env=env, capture_output=True)
 
 
+def _forbidden_fast(mods: set[str], allowed: tuple[str, ...] = ()) -> list[str]:
+    return sorted(m for m in mods
+                  if any(m == f or m.startswith(f + ".") for f in FAST_FORBIDDEN)
+                  and m.split(".")[0] not in allowed)
+
+
+def test_fast_ls_import_budget(store: Path) -> None:
+    for args in (["ls", "v"], ["ls", "-l", "v", "dir"], ["ls", "v", "--json"]):
+        mods, out = _imported(args, _env(store))
+        assert out.strip(), args
+        assert _forbidden_fast(mods, ("json",) if "--json" in args else ()) == [], args
+        assert {m for m in mods if m.split(".")[0] == "strata"} <= LS_FAST_MODULES, sorted(
+            {m for m in mods if m.startswith("strata")} - LS_FAST_MODULES)
+        budget = LS_FAST_BUDGET + (LS_FAST_JSON_EXTRA if "--json" in args else 0)
+        assert len(mods) <= budget, (args, sorted(mods))
+
+
+def _ordinary(store: Path) -> list[str]:
+    """Global options that send `ls` down the ordinary path, to the same server."""
+    return ["--server", f"unix:{store / 'serve.sock'}"]
+
+
 def test_ls_import_budget(store: Path) -> None:
-    mods, out = _imported(["ls", "v"], _env(store))
+    mods, out = _imported([*_ordinary(store), "ls", "v"], _env(store))
     assert out.split() == ["dir"]
     assert _forbidden(mods) == []
     assert {m for m in mods if m.split(".")[0] == "strata"} <= LS_STRATA_MODULES, sorted(
@@ -93,7 +139,7 @@ def test_ls_import_budget(store: Path) -> None:
 
 
 def test_ls_long_and_subdir_stay_in_budget(store: Path) -> None:
-    mods, out = _imported(["ls", "-l", "v", "dir"], _env(store))
+    mods, out = _imported([*_ordinary(store), "ls", "-l", "v", "dir"], _env(store))
     assert out.rstrip().endswith(" a.txt")
     assert _forbidden(mods) == []
 

@@ -92,6 +92,32 @@ def test_lean_and_http_give_the_same_answers(server: Server) -> None:
     http.close()
 
 
+def test_list_answers_entries_and_children_without_content(server: Server) -> None:
+    lean = _lean_only(server)
+    t = Transaction(lean, "v")
+    t.mkdir("d")
+    t.write("d/inside", b"x" * 10)
+    t.write("small", b"hello")  # inline content, never sent by `list`
+    t.symlink("link", "small")
+    head = t.commit()
+    answer = _raw(server, msgpack.packb(
+        ["list", "v", "live", None, [b"", b"small", b"link", b"nope"]], use_bin_type=True))
+    assert answer is not None and answer[0] == 0, answer
+    result = answer[1]
+    assert result["snapshot"] == head
+    root, small, link, nope = result["found"]
+    assert [name for name, _v in root[1]] == [b"d", b"link", b"small"]
+    assert small[1] is None and small[0][5] == 5 and small[0][6] is None and small[0][7] is None
+    assert link[0][7] == b"small"  # a symlink's target is what `ls -l` shows
+    assert nope is None
+    # The same by snapshot prefix; a prefix names a snapshot of that volume only.
+    by_prefix = _raw(server, msgpack.packb(["list", "v", None, head[:12], [b"d"]],
+                                           use_bin_type=True))
+    assert by_prefix is not None and by_prefix[0] == 0
+    assert [n for n, _v in by_prefix[1]["found"][0][1]] == [b"inside"]
+    lean.close()
+
+
 def test_a_retried_publish_on_the_lean_stream_is_not_a_conflict(server: Server) -> None:
     from strata.engine.interface import ChangeSet
     from strata.engine.objects import K_FILE, Entry
@@ -120,6 +146,15 @@ def test_a_retried_publish_on_the_lean_stream_is_not_a_conflict(server: Server) 
     msgpack.packb(["get_many", "notalist"]),
     msgpack.packb(["publish", b"\x93\x01\x02\x03"]),  # not a publish map
     msgpack.packb(["publish", "text, not bytes"]),
+    msgpack.packb(["list", "v", "live", None, []]),                 # no paths
+    msgpack.packb(["list", "v", "live", None, [b""] * 17]),         # too many paths
+    msgpack.packb(["list", "v", "live", "0123abcd", [b""]]),        # a branch and a prefix
+    msgpack.packb(["list", "v", None, "xyz", [b""]]),               # not a snapshot prefix
+    msgpack.packb(["list", "../v", "live", None, [b""]]),           # not a volume name
+    msgpack.packb(["list", "v", "../x", None, [b""]]),              # not a branch name
+    msgpack.packb(["list", "v", "live", None, [b"../etc"]]),        # a hostile path
+    msgpack.packb(["list", "v", "live", None, ["text, not a bin"]]),
+    msgpack.packb(["list", "nosuchvolume", "live", None, [b""]]),
     msgpack.packb([[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]),
 ])
 def test_hostile_frames_are_refused_and_the_server_keeps_serving(server: Server,

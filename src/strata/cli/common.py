@@ -9,9 +9,7 @@ the budget).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import stat as statmod
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +17,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from strata.cli import show
+from strata.cli.show import fmt_time as fmt_time
+from strata.cli.show import print_json as print_json
+from strata.cli.show import quote_path as quote_path
+from strata.cli.show import show_path as show_path
+from strata.cli.show import unquote_path as unquote_path
 from strata.engine.errors import InvalidInput, NotFound, Unavailable
 from strata.engine.names import check_branch, check_volume, split_path
 
@@ -154,65 +158,6 @@ def lookup(store: Store, sid: str, path: str) -> Entry:
     return e
 
 
-_C_ESCAPES = {"\a": "a", "\b": "b", "\t": "t", "\n": "n", "\v": "v", "\f": "f", "\r": "r",
-              '"': '"', "\\": "\\"}
-
-
-def quote_path(path: str) -> str:
-    r"""A name as git shows it, quoted only when it must be.
-
-    Printable UTF-8 stays as is; anything else goes in double quotes with C
-    escapes, and the bytes that are not UTF-8 in octal ("caf\351.txt").
-    Names hold any bytes but / and NUL; in strata's strings a byte that is not
-    UTF-8 is a lone surrogate (Python's surrogateescape). `unquote_path` reads
-    the quoted form back, so a name shown can be typed as shown.
-    """
-    if path.isprintable() and '"' not in path and "\\" not in path:
-        return path
-    out = []
-    for ch in path:
-        if ch in _C_ESCAPES:
-            out.append("\\" + _C_ESCAPES[ch])
-        elif 0xDC80 <= ord(ch) <= 0xDCFF:  # a byte that was not UTF-8
-            out.append(f"\\{ord(ch) - 0xDC00:03o}")
-        elif not ch.isprintable():
-            out.extend(f"\\{b:03o}" for b in ch.encode("utf-8", "surrogateescape"))
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def unquote_path(arg: str) -> str:
-    """A path argument as the user meant it: a git-style quoted name is unescaped."""
-    if len(arg) < 2 or not (arg.startswith('"') and arg.endswith('"')):
-        return arg
-    body = arg[1:-1]
-    raw = bytearray()
-    i = 0
-    reverse = {v: k for k, v in _C_ESCAPES.items()}
-    while i < len(body):
-        ch = body[i]
-        if ch == "\\" and i + 1 < len(body):
-            nxt = body[i + 1]
-            if nxt in "01234567" and i + 3 < len(body) + 1 and all(
-                    c in "01234567" for c in body[i + 1:i + 4]) and len(body[i + 1:i + 4]) == 3:
-                raw.append(int(body[i + 1:i + 4], 8) & 0xFF)
-                i += 4
-                continue
-            if nxt in reverse:
-                raw.extend(reverse[nxt].encode())
-                i += 2
-                continue
-        raw.extend(ch.encode("utf-8", "surrogateescape"))
-        i += 1
-    return raw.decode("utf-8", "surrogateescape")
-
-
-def show_path(path: str) -> str:
-    """How the CLI prints a name: quoted on a terminal, the raw bytes into a pipe (as ls)."""
-    return quote_path(path) if sys.stdout.isatty() else path
-
-
 def parse_size(text: str) -> int:
     """A byte count as typed: 512, 64K, 1.5G."""
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:].upper(), 1)
@@ -250,45 +195,13 @@ class Progress:
             print(file=sys.stderr)
 
 
-def print_json(value: Any) -> None:
-    json.dump(value, sys.stdout, indent=2)
-    sys.stdout.write("\n")
-
-
 def short(sid: str | None) -> str:
     return sid[:12] if sid else "-"
 
 
-def fmt_time(ns: int) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
-
-
 def entry_json(path: str, e: Entry) -> dict[str, Any]:
-    from strata.engine.objects import ENTRY_KIND_NAMES, K_SYMLINK
-    out: dict[str, Any] = {
-        "path": path, "type": ENTRY_KIND_NAMES[e.kind], "mode": f"{e.mode:04o}",
-        "uid": e.uid, "gid": e.gid, "size": e.size, "mtime_ns": e.mtime_ns,
-        "nlink": e.nlink,
-    }
-    if e.ino:
-        out["ino"] = e.ino
-    if e.kind == K_SYMLINK:
-        out["target"] = os.fsdecode(e.data or b"")
-    if e.rdev:
-        out["rdev"] = [os.major(e.rdev), os.minor(e.rdev)]
-    if e.xattrs:
-        out["xattrs"] = {os.fsdecode(k): v.decode("utf-8", "backslashreplace")
-                         for k, v in e.xattrs}
-    return out
+    return show.entry_info(path, e.to_list())
 
 
 def long_line(name: str, e: Entry) -> str:
-    from strata.engine.objects import K_DIR, K_SYMLINK
-    size = f"{os.major(e.rdev)}, {os.minor(e.rdev)}" if e.rdev else str(e.size)
-    line = (f"{statmod.filemode(e.st_mode)} {e.nlink:>2} {e.uid:>5} {e.gid:>5} {size:>10} "
-            f"{fmt_time(e.mtime_ns)} {name}")
-    if e.kind == K_SYMLINK:
-        line += f" -> {os.fsdecode(e.data or b'')}"
-    elif e.kind == K_DIR:
-        line += "/"
-    return line
+    return show.long_line(name, e.to_list())

@@ -8,7 +8,6 @@ The byte layouts are documented in docs/format.md.
 
 from __future__ import annotations
 
-import stat as statmod
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -19,26 +18,23 @@ import msgpack
 
 from strata.engine.errors import InvalidInput
 
+# Entry kinds live in their own module, for code that only shows entries.
+from strata.engine.kinds import ENTRY_KIND_NAMES as ENTRY_KIND_NAMES
+from strata.engine.kinds import IFMT as _IFMT
+from strata.engine.kinds import K_BLK as K_BLK
+from strata.engine.kinds import K_CHR as K_CHR
+from strata.engine.kinds import K_DIR as K_DIR
+from strata.engine.kinds import K_FIFO as K_FIFO
+from strata.engine.kinds import K_FILE as K_FILE
+from strata.engine.kinds import K_SOCK as K_SOCK
+from strata.engine.kinds import K_SYMLINK as K_SYMLINK
+
 # Object kinds (the first byte hashed into every id).
 BLOCK = 1
 FILENODE = 2
 TREE = 3
 SNAPSHOT = 4
 KIND_NAMES = {BLOCK: "block", FILENODE: "file", TREE: "tree", SNAPSHOT: "snapshot"}
-
-# Entry kinds.
-K_FILE = 1
-K_DIR = 2
-K_SYMLINK = 3
-K_FIFO = 4
-K_CHR = 5
-K_BLK = 6
-K_SOCK = 7
-ENTRY_KIND_NAMES = {K_FILE: "file", K_DIR: "dir", K_SYMLINK: "symlink", K_FIFO: "fifo",
-                    K_CHR: "chardev", K_BLK: "blockdev", K_SOCK: "socket"}
-_IFMT = {K_FILE: statmod.S_IFREG, K_DIR: statmod.S_IFDIR, K_SYMLINK: statmod.S_IFLNK,
-         K_FIFO: statmod.S_IFIFO, K_CHR: statmod.S_IFCHR, K_BLK: statmod.S_IFBLK,
-         K_SOCK: statmod.S_IFSOCK}
 
 ID_LEN = 32
 ZERO_ID = bytes(ID_LEN)

@@ -4,9 +4,10 @@ A second unix socket beside the store's own (`serve.sock.lean`, mode 0600
 like it, published and handed off the same way) carries a persistent stream
 of length-prefixed msgpack frames, one request and then its answer at a
 time per connection (docs/api.md, "The lean stream"). It serves only the
-hot calls: `get` (one object), `get_many` (a batch read), `publish`. The
-HTTP API stays the whole surface; a client falls back to it whenever this
-socket is missing, full, or answers "changing owner".
+hot calls: `get` (one object), `get_many` (a batch read), `publish`, and
+`list` (what `strata ls` shows, in one round trip). The HTTP API stays
+the whole surface; a client falls back to it whenever this socket is
+missing, full, or answers "changing owner".
 
 Each connection has a thread of its own, outside the event loop: it reads a
 frame, calls the engine and writes the answer, with no hop between threads
@@ -39,14 +40,16 @@ from typing import Any
 import msgpack
 
 from strata.engine.errors import InvalidInput, StrataError, Unavailable
-from strata.engine.names import check_hex_id
-from strata.engine.objects import ID_LEN
+from strata.engine.names import check_branch, check_hex_id, check_volume, split_path
+from strata.engine.objects import ID_LEN, K_DIR, K_SYMLINK, Entry
+from strata.engine.tree import Trees
 from strata.server import app as api
 from strata.server import wire
 from strata.server.tokens import OWNER
 
 FRAME = struct.Struct(">I")
 MAX_CONNECTIONS = 64  # connections served at once (a thread each)
+MAX_LIST_PATHS = 16   # paths one `list` looks up
 IO_TIMEOUT = 60.0     # a frame started must arrive within this (an idle connection may wait)
 
 
@@ -178,6 +181,8 @@ class LeanServer:
             return self._get_many([_oid(o) for o in args[0]], answer_held)
         if op == "publish" and len(args) == 1 and isinstance(args[0], bytes):
             return self._publish(args[0])
+        if op == "list" and len(args) == 4:
+            return self._list(*args)
         raise InvalidInput(f"no lean operation {op!r} taking these arguments")
 
     def _get(self, oid: bytes, answer_held: contextlib.ExitStack) -> bytes:
@@ -211,6 +216,39 @@ class LeanServer:
     def _publish(self, body: bytes) -> dict[str, Any]:
         heads, prefetch = api.publish_now(self.state, OWNER, wire.decode_publish(body))
         return {"heads": heads, "prefetch": [[oid, raw] for oid, raw in prefetch]}
+
+    def _list(self, volume: Any, branch: Any, prefix: Any, paths: Any) -> dict[str, Any]:
+        """Entries at some paths of one snapshot, and each directory's children.
+
+        What `strata ls` needs in one round trip, so that the CLI imports no tree code.
+        """
+        if not isinstance(volume, str) or not isinstance(paths, list) or not (
+                (isinstance(branch, str) and prefix is None)
+                or (branch is None and isinstance(prefix, str))):
+            raise InvalidInput("list takes a volume, a branch or a snapshot prefix, and paths")
+        if not 1 <= len(paths) <= MAX_LIST_PATHS or not all(isinstance(p, bytes) for p in paths):
+            raise InvalidInput(f"list takes 1 to {MAX_LIST_PATHS} paths, as bins")
+        check_volume(volume)
+        store = self.state.need_store()
+        if prefix is not None:
+            if len(prefix) < 8 or any(c not in "0123456789abcdef" for c in prefix):
+                raise InvalidInput("a snapshot prefix is at least 8 lowercase hex digits")
+            store.list_branches(volume)  # the volume must exist
+            sid = store.find_snapshot(prefix)
+        else:
+            sid = store.head(volume, check_branch(str(branch)))
+        trees = Trees(store)
+        root = store.snapshot(sid).root
+        found: list[Any] = []
+        for raw in paths:
+            e = trees.resolve(root, split_path(raw.decode("utf-8", "surrogateescape")))
+            if e is None:
+                found.append(None)
+            elif e.kind == K_DIR and e.ref is not None:
+                found.append([_shown(e), [[n, _shown(c)] for n, c in trees.iter_dir(e.ref)]])
+            else:
+                found.append([_shown(e), None])
+        return {"snapshot": sid, "found": found}
 
     def _served(self, objects: int, nbytes: int) -> None:
         with self._cond:
@@ -264,6 +302,15 @@ def _send(conn: socket.socket, answer: list[Any]) -> None:
     else:
         conn.sendall(FRAME.pack(len(data)))
         conn.sendall(data)
+
+
+def _shown(e: Entry) -> list[Any]:
+    """An entry's list form (docs/format.md) for showing: no content reference or bytes."""
+    v = e.to_list()
+    v[6] = None  # ref
+    if e.kind != K_SYMLINK:
+        v[7] = None  # a small file's inline content
+    return v
 
 
 def _oid(value: Any) -> bytes:

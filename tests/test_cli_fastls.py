@@ -37,8 +37,10 @@ def _run(store: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([*STRATA, *args], env=_env(store), capture_output=True, timeout=60)
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Path]:
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One store for the module (read only, but for a volume of the last test's own)."""
+    tmp_path = tmp_path_factory.mktemp("fastls")
     path = tmp_path / "store"
     src = tmp_path / "src"
     (src / "sub" / "deeper").mkdir(parents=True)
@@ -124,10 +126,12 @@ def test_fast_path_declines_what_it_does_not_do(store: Path,
     assert fastls.run(["ls", "v"]) is None
     monkeypatch.delenv("STRATA_TOKEN")
     # A workspace volume lists the files inside its device: the ordinary path's job.
-    put = subprocess.run([*STRATA, "put", "v", workspace.LAYOUT_PATH], input=b"{}",
+    assert _run(store, "volume", "create", "w").returncode == 0
+    assert fastls.run(["ls", "w"]) == 0
+    put = subprocess.run([*STRATA, "put", "w", workspace.LAYOUT_PATH], input=b"{}",
                          env=_env(store), capture_output=True, timeout=60)
     assert put.returncode == 0
-    assert fastls.run(["ls", "v"]) is None
+    assert fastls.run(["ls", "w"]) is None
     # No server answering: the ordinary path starts one.
     monkeypatch.setenv("STRATA_STORE", str(store.parent / "elsewhere"))
     assert fastls.run(["ls", "v"]) is None

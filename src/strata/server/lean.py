@@ -50,6 +50,7 @@ from strata.server.tokens import OWNER
 FRAME = struct.Struct(">I")
 MAX_CONNECTIONS = 64  # connections served at once (a thread each)
 MAX_LIST_PATHS = 16   # paths one `list` looks up
+LISTED_ENTRY_BYTES = 64  # an entry of a `list` answer without its name, about (for the budget)
 IO_TIMEOUT = 60.0     # a frame started must arrive within this (an idle connection may wait)
 
 
@@ -182,7 +183,7 @@ class LeanServer:
         if op == "publish" and len(args) == 1 and isinstance(args[0], bytes):
             return self._publish(args[0])
         if op == "list" and len(args) == 4:
-            return self._list(*args)
+            return self._list(*args, answer_held=answer_held)
         raise InvalidInput(f"no lean operation {op!r} taking these arguments")
 
     def _get(self, oid: bytes, answer_held: contextlib.ExitStack) -> bytes:
@@ -217,7 +218,8 @@ class LeanServer:
         heads, prefetch = api.publish_now(self.state, OWNER, wire.decode_publish(body))
         return {"heads": heads, "prefetch": [[oid, raw] for oid, raw in prefetch]}
 
-    def _list(self, volume: Any, branch: Any, prefix: Any, paths: Any) -> dict[str, Any]:
+    def _list(self, volume: Any, branch: Any, prefix: Any, paths: Any, *,
+              answer_held: contextlib.ExitStack) -> dict[str, Any]:
         """Entries at some paths of one snapshot, and each directory's children.
 
         What `strata ls` needs in one round trip, so that the CLI imports no tree code.
@@ -240,14 +242,18 @@ class LeanServer:
         trees = Trees(store)
         root = store.snapshot(sid).root
         found: list[Any] = []
+        size = 0  # about what the answer takes, held in the answer budget like a read's
         for raw in paths:
             e = trees.resolve(root, split_path(raw.decode("utf-8", "surrogateescape")))
             if e is None:
                 found.append(None)
             elif e.kind == K_DIR and e.ref is not None:
-                found.append([_shown(e), [[n, _shown(c)] for n, c in trees.iter_dir(e.ref)]])
+                children = [[n, _shown(c)] for n, c in trees.iter_dir(e.ref)]
+                size += sum(len(n) + LISTED_ENTRY_BYTES for n, _c in children)
+                found.append([_shown(e), children])
             else:
                 found.append([_shown(e), None])
+        answer_held.enter_context(self.answers.hold(size))
         return {"snapshot": sid, "found": found}
 
     def _served(self, objects: int, nbytes: int) -> None:

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
-
-from strata.engine.errors import Conflict, StrataError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Sequence
 
 # Which module registers each top-level command (tests/test_cli_imports.py checks
 # that this table and the modules agree).
@@ -79,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return done
     from strata.cli.common import unquote_path
     from strata.cli.show import quote_path
+    from strata.engine.errors import Conflict, StrataError
     args = build_parser(command).parse_args(argv)
     # Names that are not UTF-8 come back out as the bytes they were, as `ls` does.
     for stream in (sys.stdout, sys.stderr):

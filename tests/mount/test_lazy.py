@@ -17,7 +17,7 @@ import pytest
 from mount_harness import MountEnv
 
 from strata.engine.txn import Transaction
-from strata.mount.fuse import READ_AHEAD_KB
+from strata.mount.fuse import READ_AHEAD_KB, _unescape
 from strata.mount.readahead import MIN_AHEAD, REQUEST_BYTES
 from strata.server.client import RemoteStore, default_socket
 
@@ -143,6 +143,12 @@ def test_the_view_reads_ahead_a_mebibyte_and_fetches_each_block_once(
     # (and the file's block list, unless the lookup brought it already).
     assert BIG // BLOCK <= after[0] - before[0] <= BIG // BLOCK + 1, (before, after)
     menv.unmount(m)
+
+
+def test_mountinfo_paths_are_unescaped() -> None:
+    # The read-ahead is set on the mount whose path mountinfo shows with octal escapes.
+    assert _unescape(b"/var/tmp/a\\040b\\011c\\012d\\134e/lower") == "/var/tmp/a b\tc\nd\\e/lower"
+    assert _unescape(b"/caf\\351") == os.fsdecode(b"/caf\xe9")
 
 
 def test_small_files_are_fetched_whole_at_open(menv: MountEnv, tmp_path: Path) -> None:

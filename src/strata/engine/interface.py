@@ -180,10 +180,15 @@ class Store(ABC):
         info = cache.get(sid)
         if info is None:
             info = self._read_snapshot(sid)
-            if len(cache) > 4096:
-                cache.clear()
-            cache[sid] = info
+            self.snapshot_cache_put(info)
         return info
+
+    def snapshot_cache_put(self, info: SnapshotInfo) -> None:
+        """Keep a snapshot's record that this process made or verified."""
+        cache: dict[str, SnapshotInfo] = self.__dict__.setdefault("_snap_cache", {})
+        if len(cache) > 4096:
+            cache.clear()
+        cache[info.id] = info
 
     def _read_snapshot(self, sid: str) -> SnapshotInfo:
         from strata.engine.errors import InvalidInput, NotFound

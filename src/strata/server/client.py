@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 MAX_HEADER_LINE = 65536
 MAX_HEADERS = 100
+PREFETCH_KEEP = 1024  # prefetched tree nodes kept raw until read (oldest dropped first)
 
 
 class BadResponse(Exception):
@@ -269,6 +270,8 @@ class RemoteStore(Store):
         self._local = threading.local()
         self.node_cache = NodeCache()
         self._snap_cache: dict[str, SnapshotInfo] = {}
+        self._prefetch_raw: dict[bytes, bytes] = {}  # tree nodes a publish sent back
+        self._prefetch_lock = threading.Lock()
         self._block_size: int | None = None
         # Object reads and publishes take the lean stream when the server offers one.
         self._lean = wire.lean_path(self.where) if self.kind == "unix" else None
@@ -288,13 +291,14 @@ class RemoteStore(Store):
         if self._lean is None or time.monotonic() < self._lean_after:
             return _MISS
         conn: _LeanConn | None = getattr(self._local, "lean", None)
+        fresh = conn is None
         try:
             if conn is None:
                 conn = self._local.lean = _LeanConn(self._lean, self.timeout)
             status, result = conn.call(list(request))
-        except (OSError, BadResponse) as exc:
+        except (OSError, BadResponse):
             self._drop_lean()
-            if conn is None or isinstance(exc, FileNotFoundError | ConnectionRefusedError):
+            if fresh:  # no stream, or it is full (it hangs up at once): HTTP for a second
                 self._lean_after = time.monotonic() + 1.0
             return _MISS  # HTTP retries (a publish carries its id: a retry is safe)
         if status == 0:
@@ -400,6 +404,10 @@ class RemoteStore(Store):
                      "application/octet-stream")
 
     def get_object(self, oid: bytes) -> bytes:
+        with self._prefetch_lock:
+            raw = self._prefetch_raw.pop(oid, None)
+        if raw is not None:
+            return raw  # verified when it arrived
         got = self._lean_call("get", oid)
         if isinstance(got, bytes):
             return _verified(oid, got)
@@ -527,12 +535,16 @@ class RemoteStore(Store):
 
     def _prefetched(self, oid_hex: str, raw: bytes) -> None:
         # Verified like any object: the cache must never hold bytes under a wrong id.
-        from strata.engine.objects import SNAPSHOT, TREE, Snapshot, TreeNode, object_id
+        # A tree node is kept raw and decoded only if it is read (most never are).
+        from strata.engine.objects import SNAPSHOT, TREE, Snapshot, object_id
         oid = bytes.fromhex(oid_hex)
         if object_id(SNAPSHOT, raw) == oid:
             self._snap_cache[oid_hex] = SnapshotInfo.of(oid_hex, Snapshot.decode(raw))
         elif object_id(TREE, raw) == oid:
-            self.node_cache.put(oid, TreeNode.decode(raw))
+            with self._prefetch_lock:
+                self._prefetch_raw[oid] = raw
+                while len(self._prefetch_raw) > PREFETCH_KEEP:
+                    del self._prefetch_raw[next(iter(self._prefetch_raw))]
 
     def whoami(self) -> dict[str, Any]:
         """The caller's scope: owner, volume, branch, writable."""

@@ -298,3 +298,35 @@ def test_stop_waits_for_a_publish_in_flight_on_the_stream(server: Server) -> Non
     # Answered: it landed. Refused ("changing owner"): nothing landed; the client retries.
     assert rs.head("v", "live") == (result["heads"][0] if status == 0 else before)
     rs.close()
+
+
+def test_a_file_and_its_blocks_in_one_round_trip(server: Server) -> None:
+    from strata.engine.errors import InvalidInput
+    lean, http = _lean_only(server), _http_only(server)
+    block = os.urandom(64 * 1024)
+    t = Transaction(lean, "v")
+    t.write("multi", os.urandom(5 * 64 * 1024 + 100))
+    t.write("same", block * 3)                       # one block id, three times
+    t.write("holes", b"\0" * (3 * 64 * 1024) + b"end")  # holes are never sent
+    t.write("big", os.urandom(40 << 20))               # more than one answer holds
+    t.commit()
+    r, h = Transaction(lean, "v"), Transaction(http, "v")
+    for name, (off, n) in [("multi", (70_000, 200_000)), ("multi", (0, None)),
+                           ("same", (0, None)), ("holes", (10, None)), ("big", (0, None)),
+                           ("multi", (5 * 64 * 1024 + 99, 1)), ("multi", (3, 0))]:
+        assert r.read(name, off, n) == h.read(name, off, n), (name, off, n)
+    served = int(http.admin("GET", "stats")["objects_served"])
+    assert r.read("same") == block * 3
+    assert int(http.admin("GET", "stats")["objects_served"]) == served + 2  # node + 1 block
+    e = r.lookup("multi")
+    assert e is not None and e.ref is not None
+    ref = e.ref
+    raw, blocks = lean.get_file(ref, 0, 1 << 40)
+    assert len(blocks) == 6
+    root = lean.snapshot(lean.head("v", "live")).root.ref
+    assert root is not None
+    for bad in ([root, 0, 1], [ref, -1, 5], [ref, 9, 3]):
+        with pytest.raises(InvalidInput):
+            lean._lean_call("get_file", *bad)
+    lean.close()
+    http.close()

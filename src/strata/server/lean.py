@@ -4,7 +4,8 @@ A second unix socket beside the store's own (`serve.sock.lean`, mode 0600
 like it, published and handed off the same way) carries a persistent stream
 of length-prefixed msgpack frames, one request and then its answer at a
 time per connection (docs/api.md, "The lean stream"). It serves only the
-hot calls: `get` (one object), `get_many` (a batch read), `publish`. The
+hot calls: `get` (one object), `get_many` (a batch read), `get_file` (a file
+node and the blocks of a range, one round trip), `publish`. The
 HTTP API stays the whole surface; a client falls back to it whenever this
 socket is missing, full, or answers "changing owner".
 
@@ -40,7 +41,7 @@ import msgpack
 
 from strata.engine.errors import InvalidInput, StrataError, Unavailable
 from strata.engine.names import check_hex_id
-from strata.engine.objects import ID_LEN
+from strata.engine.objects import ID_LEN, ZERO_ID, FileNode
 from strata.server import app as api
 from strata.server import wire
 from strata.server.tokens import OWNER
@@ -178,6 +179,9 @@ class LeanServer:
             return self._get_many([_oid(o) for o in args[0]], answer_held)
         if op == "publish" and len(args) == 1 and isinstance(args[0], bytes):
             return self._publish(args[0])
+        if (op == "get_file" and len(args) == 3 and isinstance(args[1], int)
+                and isinstance(args[2], int)):
+            return self._get_file(_oid(args[0]), args[1], args[2], answer_held)
         raise InvalidInput(f"no lean operation {op!r} taking these arguments")
 
     def _get(self, oid: bytes, answer_held: contextlib.ExitStack) -> bytes:
@@ -207,6 +211,38 @@ class LeanServer:
         raws = [store.get_object(o) for o in ids[:len(sizes)]]
         self._served(len(raws), sum(len(r) for r in raws))
         return raws
+
+    def _get_file(self, ref: bytes, offset: int, end: int,
+                  answer_held: contextlib.ExitStack) -> list[Any]:
+        """A file node and the blocks covering [offset, end) that fit one answer.
+
+        The blocks come in the order of their first appearance in the range,
+        holes left out, so the client knows which id each one is.
+        """
+        if not 0 <= offset <= end:
+            raise InvalidInput("a file range is 0 <= offset <= end")
+        store = self.state.need_store()
+        raw = store.get_object(ref)
+        try:
+            node = FileNode.decode(raw)
+        except (ValueError, TypeError, KeyError, IndexError):
+            raise InvalidInput(f"{ref.hex()} is not a file node") from None
+        bs = node.block_size
+        want = [] if end == offset else [
+            b for b in dict.fromkeys(node.blocks[offset // bs:(end - 1) // bs + 1])
+            if b != ZERO_ID][:api.MAX_BATCH_GET]
+        sizes: list[int] = []
+        total = len(raw)
+        for oid in want:
+            n = store.object_size(oid)
+            if total + n > api.MAX_BATCH_ANSWER:
+                break
+            sizes.append(n)
+            total += n
+        answer_held.enter_context(self.answers.hold(total))
+        blocks = [store.get_object(o) for o in want[:len(sizes)]]
+        self._served(1 + len(blocks), total)
+        return [raw, blocks]
 
     def _publish(self, body: bytes) -> dict[str, Any]:
         heads, prefetch = api.publish_now(self.state, OWNER, wire.decode_publish(body))

@@ -8,11 +8,11 @@ and a client must fall back to HTTP when the stream is absent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -269,9 +269,9 @@ def test_connections_past_the_cap_fall_back_to_http(server: Server,
     assert ok
 
 
-def test_stop_waits_for_a_publish_in_flight_on_the_stream(server: Server) -> None:
-    # A publish whose body is still arriving when the server is told to stop is
-    # either answered (it landed, durably) or refused; never acknowledged and lost.
+def test_stop_does_not_wait_for_a_slow_sender_and_lands_nothing_of_it(server: Server) -> None:
+    # A request is in flight once its body has arrived: a stop does not wait for
+    # a client that is still sending, and that half-sent publish never lands.
     from strata.server import wire
     lean = _lean_only(server)
     before = lean.head("v", "live")
@@ -282,21 +282,20 @@ def test_stop_waits_for_a_publish_in_flight_on_the_stream(server: Server) -> Non
         s.settimeout(30)
         s.connect(lean_path(server.sock))
         s.sendall(FRAME.pack(len(frame)) + frame[:10])
-        time.sleep(0.2)  # the server's thread now holds the request in flight
-        stopper = threading.Thread(target=server.stop)
-        stopper.start()
-        time.sleep(0.3)
-        assert stopper.is_alive()  # the drain waits for this request
-        s.sendall(frame[10:])
+        time.sleep(0.2)  # the server's thread is reading the body
+        t0 = time.monotonic()
+        assert server.stop() == 0
+        assert time.monotonic() - t0 < 10  # not the 60 s a stalled frame may take
+        with contextlib.suppress(OSError):
+            s.sendall(frame[10:])
         f = s.makefile("rb")
         head = f.read(4)
-        status, result = msgpack.unpackb(f.read(FRAME.unpack(head)[0]), raw=False)
-        stopper.join(30)
-    assert status in (0, 503), (status, result)
+        if len(head) == 4:  # answered before the hang-up: a refusal, never a success
+            status, _result = msgpack.unpackb(f.read(FRAME.unpack(head)[0]), raw=False)
+            assert status == 503
     server.start()
     rs = server.remote()
-    # Answered: it landed. Refused ("changing owner"): nothing landed; the client retries.
-    assert rs.head("v", "live") == (result["heads"][0] if status == 0 else before)
+    assert rs.head("v", "live") == before
     rs.close()
 
 

@@ -23,7 +23,8 @@ Rules, as on the HTTP side:
   decoded and every field checked before the store is touched;
 - answers are bounded like the HTTP ones (MAX_BATCH_GET ids, MAX_BATCH_ANSWER
   bytes, held in the stream's answer budget until written);
-- requests count as in flight, so a handoff or stop drains them (`drain`);
+- a request counts as in flight once its body has arrived, so a handoff or
+  stop drains it (`drain`) without waiting for a client still sending;
   once the store is gone a connection gets "changing owner" and is closed.
 """
 
@@ -47,7 +48,7 @@ from strata.server import wire
 from strata.server.tokens import OWNER
 
 FRAME = struct.Struct(">I")
-MAX_CONNECTIONS = 64  # connections served at once (a thread each)
+MAX_CONNECTIONS = 256  # connections served at once (a thread each)
 IO_TIMEOUT = 60.0     # a frame started must arrive within this (an idle connection may wait)
 
 
@@ -152,9 +153,11 @@ class LeanServer:
         """One request; False when the connection must close (the store has gone)."""
         try:
             with contextlib.ExitStack() as answer_held:  # an answer's bytes, until sent
-                with self._counted(), self.budget.hold(length):
+                with self.budget.hold(length):
+                    # In flight once the body is here: a drain never waits for a slow sender.
                     body = _recv_exactly(conn, length)
-                    result = self._dispatch(body, answer_held)
+                    with self._counted():
+                        result = self._dispatch(body, answer_held)
                 _send(conn, [0, result])
         except StrataError as exc:
             self._answer(conn, exc)

@@ -1,4 +1,4 @@
-"""Real tools on a writable mount: git, a virtualenv with pip, SQLite, tar, rsync.
+"""Real tools on a writable mount: git, a virtualenv with pip, npm, SQLite, tar, rsync.
 
 Each tool does its usual work on the mount, the mount commits, and the
 result is checked again in a fresh mount of the new head (a new mount
@@ -8,6 +8,7 @@ writable mount are shared by the module.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -213,6 +214,61 @@ def test_virtualenv_and_pip(sm: SharedMount, tmp_path: Path) -> None:
         run(fpy, "-m", "pip", "uninstall", "-q", "-y", "strata_probe", env=env)
         p = subprocess.run([fpy, "-c", "import strata_probe"], capture_output=True, env=env)
         assert p.returncode != 0
+
+
+# -- npm ---------------------------------------------------------------------------------------
+
+
+def npm_packages(where: Path) -> dict[str, str]:
+    """Two local npm packages packed as tarballs, and npm's environment (no registry).
+
+    `strata-app-tool` depends on `strata-app-dep` and installs a bin.
+    """
+    env = {**os.environ, "npm_config_cache": str(where / "npm-cache"),
+           "npm_config_update_notifier": "false", "npm_config_fund": "false",
+           "npm_config_audit": "false"}
+    for name, deps, files in (
+            ("strata-app-dep", {}, {"index.js": "module.exports = () => 'dep ok';\n"}),
+            ("strata-app-tool", {"strata-app-dep": f"file:{where}/strata-app-dep-1.0.0.tgz"},
+             {"index.js": "module.exports = require('strata-app-dep');\n",
+              "cli.js": "#!/usr/bin/env node\nconsole.log('tool says ' + "
+                        "require('strata-app-dep')());\n"})):
+        src = where / name
+        src.mkdir(parents=True)
+        pkg: dict[str, Any] = {"name": name, "version": "1.0.0", "main": "index.js",
+                               "dependencies": deps}
+        if "cli.js" in files:
+            pkg["bin"] = {"strata-tool": "cli.js"}
+        (src / "package.json").write_text(json.dumps(pkg))
+        for fname, text in files.items():
+            (src / fname).write_text(text)
+        run("npm", "pack", "--silent", "--pack-destination", where, cwd=src, env=env)
+    return env
+
+
+def npm_install(app: Path, where: Path, env: dict[str, str]) -> None:
+    """`npm install` of the tool into `app`, then `npm ci` from its lockfile, offline."""
+    app.mkdir()
+    run("npm", "init", "-y", cwd=app, env=env)
+    run("npm", "install", "--offline", f"{where}/strata-app-tool-1.0.0.tgz", cwd=app, env=env)
+    shutil.rmtree(app / "node_modules")
+    run("npm", "ci", "--offline", cwd=app, env=env)  # the lockfile, into a fresh tree
+
+
+def npm_check(app: Path, env: dict[str, str]) -> None:
+    assert run(app / "node_modules" / ".bin" / "strata-tool", env=env) == "tool says dep ok\n"
+    assert run("node", "-e", "console.log(require('strata-app-tool')())", cwd=app,
+               env=env) == "dep ok\n"
+    run("npm", "ls", "--offline", "--all", cwd=app, env=env)  # the tree matches the lock
+
+
+@pytest.mark.skipif(shutil.which("npm") is None, reason="npm is not installed")
+def test_npm_install_and_ci_offline(sm: SharedMount, tmp_path: Path) -> None:
+    env = npm_packages(tmp_path)
+    npm_install(sm.m / "app", tmp_path, env)
+    npm_check(sm.m / "app", env)
+    with sm.fresh() as f:
+        npm_check(f / "app", env)
 
 
 # -- SQLite ------------------------------------------------------------------------------------

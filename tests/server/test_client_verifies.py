@@ -63,3 +63,71 @@ def test_objects_that_do_not_match_their_id_are_refused(tampering: str) -> None:
         store.get_objects([GOOD_ID, GOOD_ID])
     with pytest.raises(Corrupt, match="do not match"):
         store.get_range(GOOD_ID, 2, 4)
+
+
+class _TamperingLean:
+    """A lean stream (frames of msgpack) that answers every get_file with `answer`."""
+
+    def __init__(self, path: str, answer: list[object]) -> None:
+        import socket
+        self.answer = answer
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(4)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import msgpack
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                f = conn.makefile("rb")
+                while True:
+                    head = f.read(4)
+                    if len(head) < 4:
+                        break
+                    f.read(int.from_bytes(head, "big"))
+                    body = msgpack.packb([0, self.answer], use_bin_type=True)
+                    conn.sendall(len(body).to_bytes(4, "big") + body)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_file_read_in_one_round_trip_is_verified(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from strata.engine.errors import InvalidInput
+    from strata.engine.objects import FILENODE, FileNode
+    other = b"the other block"
+    node = FileNode(2 * 64 * 1024, 64 * 1024, (GOOD_ID, object_id(BLOCK, other)))
+    raw = node.encode()
+    ref = object_id(FILENODE, raw)
+    sock = str(Path(str(tmp_path)) / "serve.sock")
+    cases: list[tuple[list[object], type[Exception]]] = [
+        ([b"not the node", []], Corrupt),              # other bytes for the node
+        ([raw, [GOOD, b"tampered"]], Corrupt),          # a block that is not its id
+        ([raw, [GOOD, other, GOOD]], InvalidInput),     # more blocks than the range has
+        ([raw, "not a list"], InvalidInput),
+    ]
+    for answer, error in cases:
+        fake = _TamperingLean(wire.lean_path(sock), answer)
+        try:
+            store = RemoteStore(f"unix:{sock}", retry_for=1.0)
+            with pytest.raises(error):
+                store.get_file(ref, 0, node.size)
+            store.close()
+        finally:
+            fake.close()
+            Path(wire.lean_path(sock)).unlink()
+    fake = _TamperingLean(wire.lean_path(sock), [raw, [GOOD]])  # a prefix: the rest is ours
+    try:
+        store = RemoteStore(f"unix:{sock}", retry_for=1.0)
+        got_raw, blocks = store.get_file(ref, 0, node.size)
+        assert got_raw == raw and blocks == {GOOD_ID: GOOD}
+        store.close()
+    finally:
+        fake.close()

@@ -104,3 +104,34 @@ def test_resume_with_known_heads_after_a_restart(store: LocalStore) -> None:
         assert sub.poll(store) == []  # what the catch-up covered is not sent again
     finally:
         feed.close()
+
+
+def test_change_counts_are_the_same_counted_at_once_or_when_first_read(
+        store: LocalStore) -> None:
+    from strata.server.events import UNCOUNTED, count_changes
+    feed = EventFeed(lambda: store)
+    try:
+        first, second = Subscription(feed, Watch({"v"}, set())), Subscription(
+            feed, Watch({"v"}, set()))
+        first.start(store, None, {})
+        second.start(store, None, {})
+        quiet = _publish(store, feed, "nobody-listens")  # counted when first read
+        _settle(feed, 1)
+        undo = feed.listen(lambda: None)
+        try:
+            watched = _publish(store, feed, "someone-listens")  # counted at once
+            _settle(feed, 2)
+        finally:
+            undo()
+        ring = dict(feed.since(0)[0])
+        assert ring[1].get(UNCOUNTED) and "added" not in ring[1]
+        assert not ring[2].get(UNCOUNTED) and ring[2]["added"] == 1
+        for sub in (first, second):  # two readers, one count, the ring left as it was
+            got = {e["snapshot"]: e for e in sub.poll(store) if e["type"] == "publish"}
+            for sid in (quiet, watched):
+                want = count_changes(store, sid)
+                assert {k: got[sid][k] for k in want} == want
+                assert UNCOUNTED not in got[sid]
+        assert ring[1].get(UNCOUNTED)
+    finally:
+        feed.close()

@@ -8,10 +8,12 @@ and a client must fall back to HTTP when the stream is absent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -220,3 +222,145 @@ def test_a_publish_larger_than_the_socket_buffer(server: Server) -> None:
     assert lean.head("v", "live") == heads[0]
     assert Transaction(_http_only(server), "v").read("big") == b"".join(blocks)
     lean.close()
+
+
+def _one_file_changeset(store: RemoteStore, name: str) -> Any:
+    from strata.engine.interface import ChangeSet
+    from strata.engine.objects import K_DIR, K_FILE, Entry
+    return ChangeSet("v", "live", store.head("v", "live"),
+                     {"d": Entry(K_DIR, 0o755),
+                      f"d/{name}": Entry(K_FILE, 0o644, size=1, data=b"1")})
+
+
+def test_a_publish_without_prefetch_answers_the_heads_alone(server: Server) -> None:
+    from strata.server import wire
+    lean = _lean_only(server)
+    for prefetch in (True, False):
+        body = wire.encode_publish([_one_file_changeset(lean, f"p{prefetch}")], [],
+                                   txid=os.urandom(16), prefetch=prefetch)
+        answer = _raw(server, msgpack.packb(["publish", body], use_bin_type=True))
+        assert answer is not None and answer[0] == 0
+        assert len(answer[1]["heads"]) == 1
+        assert bool(answer[1]["prefetch"]) is prefetch  # new snapshot + nodes, or nothing
+    http = _http_only(server)
+    http.prefetch = False
+    before = http.head("v", "live")
+    head = http.publish([_one_file_changeset(http, "h")])[0]
+    assert head != before and head not in http._snap_cache  # nothing came back
+    bad = _raw(server, msgpack.packb(["publish", msgpack.packb(
+        {"changesets": [], "prefetch": "yes"})], use_bin_type=True))
+    assert bad is not None and bad[0] == 400 and "prefetch" in bad[1]["message"]
+    lean.close()
+    http.close()
+
+
+def test_prefetched_nodes_are_verified_and_read_without_a_round_trip(server: Server) -> None:
+    from strata.engine.objects import TREE, TreeNode, object_id
+    rs = _lean_only(server)
+    head = rs.publish([_one_file_changeset(rs, "x")])[0]
+    root = rs.snapshot(head).root.ref  # came back with the publish
+    assert root is not None and root in rs._prefetch_raw
+    served = int(rs.admin("GET", "stats")["objects_served"])
+    assert TreeNode.decode(rs.get_object(root)) is not None
+    assert int(rs.admin("GET", "stats")["objects_served"]) == served  # no request
+    # Bytes that do not hash to the id they came under are never kept.
+    forged = TreeNode(()).encode()
+    rs._prefetched(root.hex(), forged)
+    assert root not in rs._prefetch_raw
+    assert object_id(TREE, rs.get_object(root)) == root  # read from the server instead
+    assert int(rs.admin("GET", "stats")["objects_served"]) == served + 1
+    rs.close()
+
+
+def test_connections_past_the_cap_fall_back_to_http(server: Server,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from strata.server import lean
+    held = []
+    try:
+        for _ in range(lean.MAX_CONNECTIONS):  # idle connections, each holding a thread
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(lean_path(server.sock))
+            held.append(s)
+        rs = _lean_only(server)
+        t = Transaction(rs, "v")
+        t.write("capped", b"still served")
+        t.commit()  # the stream hangs up on this connection: HTTP answers
+        assert rs._lean_after > 0
+        assert Transaction(_http_only(server), "v").read("capped") == b"still served"
+        rs.close()
+    finally:
+        for s in held:
+            s.close()
+    # The threads of the closed connections end; the stream serves again.
+    deadline = time.monotonic() + 10
+    while True:
+        rs = _lean_only(server)
+        rs.get_object(bytes.fromhex(rs.head("v", "live")))
+        ok = rs._lean_after == 0
+        rs.close()
+        if ok or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert ok
+
+
+def test_stop_does_not_wait_for_a_slow_sender_and_lands_nothing_of_it(server: Server) -> None:
+    # A request is in flight once its body has arrived: a stop does not wait for
+    # a client that is still sending, and that half-sent publish never lands.
+    from strata.server import wire
+    lean = _lean_only(server)
+    before = lean.head("v", "live")
+    body = wire.encode_publish([_one_file_changeset(lean, "late")], [], txid=os.urandom(16))
+    frame = msgpack.packb(["publish", body], use_bin_type=True)
+    lean.close()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(lean_path(server.sock))
+        s.sendall(FRAME.pack(len(frame)) + frame[:10])
+        time.sleep(0.2)  # the server's thread is reading the body
+        t0 = time.monotonic()
+        assert server.stop() == 0
+        assert time.monotonic() - t0 < 10  # not the 60 s a stalled frame may take
+        with contextlib.suppress(OSError):
+            s.sendall(frame[10:])
+        f = s.makefile("rb")
+        head = f.read(4)
+        if len(head) == 4:  # answered before the hang-up: a refusal, never a success
+            status, _result = msgpack.unpackb(f.read(FRAME.unpack(head)[0]), raw=False)
+            assert status == 503
+    server.start()
+    rs = server.remote()
+    assert rs.head("v", "live") == before
+    rs.close()
+
+
+def test_a_file_and_its_blocks_in_one_round_trip(server: Server) -> None:
+    from strata.engine.errors import InvalidInput
+    lean, http = _lean_only(server), _http_only(server)
+    block = os.urandom(64 * 1024)
+    t = Transaction(lean, "v")
+    t.write("multi", os.urandom(5 * 64 * 1024 + 100))
+    t.write("same", block * 3)                       # one block id, three times
+    t.write("holes", b"\0" * (3 * 64 * 1024) + b"end")  # holes are never sent
+    t.write("big", os.urandom(40 << 20))               # more than one answer holds
+    t.commit()
+    r, h = Transaction(lean, "v"), Transaction(http, "v")
+    for name, (off, n) in [("multi", (70_000, 200_000)), ("multi", (0, None)),
+                           ("same", (0, None)), ("holes", (10, None)), ("big", (0, None)),
+                           ("multi", (5 * 64 * 1024 + 99, 1)), ("multi", (3, 0))]:
+        assert r.read(name, off, n) == h.read(name, off, n), (name, off, n)
+    served = int(http.admin("GET", "stats")["objects_served"])
+    assert r.read("same") == block * 3
+    assert int(http.admin("GET", "stats")["objects_served"]) == served + 2  # node + 1 block
+    e = r.lookup("multi")
+    assert e is not None and e.ref is not None
+    ref = e.ref
+    raw, blocks = lean.get_file(ref, 0, 1 << 40)
+    assert len(blocks) == 6
+    root = lean.snapshot(lean.head("v", "live")).root.ref
+    assert root is not None
+    for bad in ([root, 0, 1], [ref, -1, 5], [ref, 9, 3]):
+        with pytest.raises(InvalidInput):
+            lean._lean_call("get_file", *bad)
+    lean.close()
+    http.close()

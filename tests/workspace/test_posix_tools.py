@@ -20,7 +20,15 @@ from ws_harness import WsEnv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mount"))
 from fsutil import diff_states, tree_state, varied_tree  # noqa: E402
-from test_tools import BACKEND, MAKEFILE, PROBE, PYPROJECT  # noqa: E402
+from test_tools import (  # noqa: E402
+    BACKEND,
+    MAKEFILE,
+    PROBE,
+    PYPROJECT,
+    npm_check,
+    npm_install,
+    npm_packages,
+)
 
 
 def run(*cmd: object, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
@@ -47,7 +55,7 @@ def test_a_varied_tree_survives_detach_and_attach(wsenv: WsEnv) -> None:
     wsenv.detach(e)
 
 
-def test_git_pip_sqlite_make_in_a_workspace(wsenv: WsEnv, tmp_path: Path) -> None:
+def test_git_pip_npm_sqlite_make_in_a_workspace(wsenv: WsEnv, tmp_path: Path) -> None:
     wsenv.run("workspace", "create", "dev", "--size", "4G")
     d = wsenv.attach("dev", "w")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
@@ -76,6 +84,9 @@ def test_git_pip_sqlite_make_in_a_workspace(wsenv: WsEnv, tmp_path: Path) -> Non
     run(sys.executable, "-m", "venv", d / "venv", env=env)
     run(d / "venv" / "bin" / "python", "-m", "pip", "install", "-q", "--no-index",
         "--no-build-isolation", src, env=env)
+    # npm: a package with a bin and a dependency, installed and `npm ci`ed offline.
+    npm_env = npm_packages(tmp_path / "npm")
+    npm_install(d / "app", tmp_path / "npm", npm_env)
     # SQLite through its own command-line tool.
     run("sqlite3", d / "db", "pragma journal_mode=wal; create table t (x);"
         "insert into t values (1), (2), (3);")
@@ -95,6 +106,7 @@ def test_git_pip_sqlite_make_in_a_workspace(wsenv: WsEnv, tmp_path: Path) -> Non
     assert run("git", "-C", e / "repo", "rev-parse", "HEAD").strip() == head
     assert run("git", "-C", e / "repo", "status", "--porcelain") == ""
     assert run(e / "venv" / "bin" / "strata-probe", env=env) == "hello from the mount\n"
+    npm_check(e / "app", npm_env)
     assert run("sqlite3", e / "db", "select sum(x) from t; pragma integrity_check;"
                ).split() == ["6", "ok"]
     if has_make:

@@ -63,3 +63,29 @@ def test_root_in_a_bwrap_root_owns_every_file_but_cannot_mount(wsenv: WsEnv) -> 
     d = wsenv.attach("box", "look")
     assert (d / "var" / "lib" / "apt" / "partial" / "f").read_text() == "apt's\nmore\n"
     wsenv.detach(d)
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_volumes_beside_a_workspace_root_are_a_transaction_the_root_is_not(
+        wsenv: WsEnv, sandbox: str) -> None:
+    seed = tiny_root(wsenv.root / "seed")
+    wsenv.run("workspace", "create", "box", "--size", "1G", "--seed", str(seed))
+    wsenv.run("volume", "create", "data")
+    p = wsenv.run("run", "--root", "ws:box", "-v", "data", "--sandbox", sandbox, "--",
+                  "/bin/sh", "-c", "echo $STRATA_STORAGE && cat /etc/hostname > "
+                  "/storage/data/from-root && echo kept > /in-root")
+    assert p.stdout.splitlines()[0] == "/storage"
+    assert wsenv.run("cat", "data", "from-root").stdout == "seeded\n"  # published
+    # A failing command: the volume's change is dropped, the root's write stays.
+    wsenv.run("run", "--root", "ws:box", "-v", "data", "--sandbox", sandbox, "--",
+              "/bin/sh", "-c", "echo no > /storage/data/dropped && "
+              "echo yes > /in-root-too; exit 5", rc=5)
+    assert "dropped" not in wsenv.run("ls", "data").stdout
+    d = wsenv.attach("box", "look")
+    assert (d / "in-root").read_text() == "kept\n"
+    assert (d / "in-root-too").read_text() == "yes\n"
+    assert (d / "storage").is_dir() and not any((d / "storage").iterdir())  # a mount point
+    wsenv.detach(d)
+    p = wsenv.run("run", "--root", "ws:box", "-v", "box", "--sandbox", sandbox, "--", "true",
+                  rc=None)
+    assert p.returncode != 0 and "root workspace" in p.stderr

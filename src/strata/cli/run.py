@@ -25,7 +25,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--network", action="store_true", help="allow network access")
     p.add_argument("--root", metavar="ws:NAME[@BRANCH]", default=None,
                    help="a workspace as the sandbox's whole root filesystem (durable, "
-                        "not a transaction: what the command writes stays)")
+                        "not a transaction: what the command writes stays); volumes given "
+                        "with -v are at /storage in it, published on exit 0 as in any step")
     p.add_argument("-m", "--message", default=None)
     p.add_argument("--merge-identical", action="store_true",
                    help="accept a path the head already holds exactly as this step left it; by "
@@ -41,11 +42,11 @@ def _run_root(args: argparse.Namespace, argv: list[str]) -> int:
     from strata.run.runner import run_in_workspace
     if not args.root.startswith("ws:"):
         raise InvalidInput(f"--root takes ws:NAME[@BRANCH], not {args.root!r}")
-    if args.specs:
-        raise InvalidInput("--root with volumes (-v) is not supported yet")
     ref = parse_ref(args.root[3:])
     if ref.snapshot:
         raise InvalidInput("--root takes a workspace branch, not a snapshot")
+    if args.specs:  # volumes at /storage in the workspace root: a step beside it
+        return _run(args, argv, root=(ref.volume, ref.branch or "live"))
     with open_remote(args) as store:
         result = run_in_workspace(store, ref.volume, ref.branch or "live", argv,
                                   sandbox=args.sandbox, timeout=args.timeout,
@@ -58,8 +59,6 @@ def _run_root(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from strata.run.runner import run_step
-    from strata.run.spec import parse_spec
     argv = list(args.cmd)
     if argv and argv[0] == "--":
         argv = argv[1:]
@@ -67,13 +66,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InvalidInput("no command given (strata run -v VOL -- CMD ...)")
     if args.root is not None:
         return _run_root(args, argv)
+    return _run(args, argv)
+
+
+def _run(args: argparse.Namespace, argv: list[str], root: tuple[str, str] | None = None
+         ) -> int:
+    from strata.run.runner import run_step
+    from strata.run.spec import parse_spec
     specs = [parse_spec(s) for s in args.specs]
     if len({s.volume for s in specs}) != len(specs):
         raise InvalidInput("a volume appears twice")
+    if root is not None and root[0] in {s.volume for s in specs}:
+        raise InvalidInput(f"{root[0]} is the root workspace; it cannot be a volume too")
     with open_remote(args) as store:
         result = run_step(store, specs, argv, sandbox=args.sandbox, timeout=args.timeout,
                           memory=args.memory, network=args.network, message=args.message,
-                          identical=args.merge_identical)
+                          identical=args.merge_identical, root=root)
     if args.json:
         print_json({"status": result.status, "published": result.published,
                     "conflicts": result.conflicts, "run": result.run_id,

@@ -127,6 +127,22 @@ class Store(ABC):
         """Several objects at once (one round trip for a remote store)."""
         return [self.get_object(oid) for oid in ids]
 
+    def get_file(self, ref: bytes, offset: int, end: int) -> tuple[bytes, dict[bytes, bytes]]:
+        """A file node's raw bytes and some of the blocks covering [offset, end).
+
+        A remote store answers both in one round trip, and may leave out
+        blocks (the caller reads what is missing); this one reads them all.
+        """
+        raw = self.get_object(ref)
+        from strata.engine.objects import ZERO_ID, FileNode
+        node = FileNode.decode(raw)
+        if end <= offset:
+            return raw, {}
+        bs = node.block_size
+        want = [b for b in dict.fromkeys(node.blocks[offset // bs:(end - 1) // bs + 1])
+                if b != ZERO_ID]
+        return raw, dict(zip(want, self.get_objects(want), strict=True))
+
     def get_range(self, oid: bytes, offset: int, length: int) -> bytes:
         """A byte range of an object (whole-object fetch unless overridden)."""
         return self.get_object(oid)[offset:offset + length]
@@ -180,10 +196,15 @@ class Store(ABC):
         info = cache.get(sid)
         if info is None:
             info = self._read_snapshot(sid)
-            if len(cache) > 4096:
-                cache.clear()
-            cache[sid] = info
+            self.snapshot_cache_put(info)
         return info
+
+    def snapshot_cache_put(self, info: SnapshotInfo) -> None:
+        """Keep a snapshot's record that this process made or verified."""
+        cache: dict[str, SnapshotInfo] = self.__dict__.setdefault("_snap_cache", {})
+        if len(cache) > 4096:
+            cache.clear()
+        cache[info.id] = info
 
     def _read_snapshot(self, sid: str) -> SnapshotInfo:
         from strata.engine.errors import InvalidInput, NotFound

@@ -60,9 +60,13 @@ class Journal:
         self.append_lock = threading.Lock()
         self._sync = b""  # the active pack's frame marker (set with the active pack)
         # Durability side (guarded by _cond).
-        self._cond = threading.Condition()
+        durability = threading.RLock()
+        self._cond = threading.Condition(durability)
+        # On the same lock: a sync leader lingering for publishes in flight waits here.
+        self._lingering = threading.Condition(durability)
         self._syncing = False
         self._inflight = 0  # publishes between start and commit append
+        self._done = 0      # publishes that have appended (or given up), ever
         self.durable: Pos = (0, 0)
         self._open_writer()
 
@@ -266,8 +270,8 @@ class Journal:
     def publish_done(self) -> None:
         with self._cond:
             self._inflight -= 1
-            if self._inflight == 0:
-                self._cond.notify_all()
+            self._done += 1
+            self._lingering.notify_all()  # a sync leader may be waiting for this one
 
     def _advance_durable(self, pos: Pos) -> None:
         """Everything up to `pos` is on disk: publish it to readers. Holds _cond."""
@@ -286,10 +290,17 @@ class Journal:
                     self._cond.wait()
                     continue
                 if self._inflight > 0 and not lingered:
-                    # Other publishes are about to append: give them a moment to
+                    # Publishes in flight now are about to append: wait for them
+                    # (not for later ones, and at most GROUP_COMMIT_LINGER) so they
                     # join this fsync instead of paying for the next one.
                     lingered = True
-                    self._cond.wait(GROUP_COMMIT_LINGER)
+                    target = self._done + self._inflight
+                    deadline = time.monotonic() + GROUP_COMMIT_LINGER
+                    while self._done < target and not self._syncing:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._lingering.wait(left)
                     continue
                 # Become the leader: one fdatasync covers every append so far.
                 writer, number, offset, _born = self.tail

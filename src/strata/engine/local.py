@@ -583,6 +583,7 @@ class LocalStore(Store):
                               if kind == TREE})
             results: list[str] = []
             new_objects: list[tuple[int, bytes]] = []
+            made: list[SnapshotInfo] = []
             ops: list[list[Any]] = []
             expect: list[tuple[str, str, str | None]] = []
             conflicts: list[str] = []
@@ -621,10 +622,12 @@ class LocalStore(Store):
                 if root == head_root:
                     results.append(head)
                     continue
-                raw = Snapshot(root=root, parent=head, time_ns=time.time_ns(),
-                               message=cs.message, meta=cs.meta, tx=txid).encode()
+                snap = Snapshot(root=root, parent=head, time_ns=time.time_ns(),
+                                message=cs.message, meta=cs.meta, tx=txid)
+                raw = snap.encode()
                 sid = object_id(SNAPSHOT, raw).hex()
                 new_objects.append((SNAPSHOT, raw))
+                made.append(SnapshotInfo.of(sid, snap))
                 ops.append(["ref", cs.volume, cs.branch, head, sid])
                 expect.append((cs.volume, cs.branch, head))
                 results.append(sid)
@@ -641,6 +644,8 @@ class LocalStore(Store):
                 lock.release()
             self._journal.publish_done()
         self._journal.wait_durable(pos)
+        for info in made:  # the next publish on the branch reads it as its base
+            self.snapshot_cache_put(info)
         self._untouch({e.ref for cs in changesets for e in cs.changes.values()
                        if isinstance(e, Entry) and e.ref is not None} | named_blocks)
         self._release([cs.base for cs in changesets])

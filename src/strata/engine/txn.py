@@ -137,12 +137,18 @@ class ContentWriter:
             return b""
         if e.ref is None:
             return (e.data or b"")[offset:end]
-        node = FileNode.decode(self.get_object(e.ref))
+        fetched: dict[bytes, bytes] = {}
+        if e.ref in self.pending:
+            node = FileNode.decode(self.get_object(e.ref))
+        else:  # the node and its blocks in one round trip from a remote store
+            raw, fetched = self.store.get_file(e.ref, offset, end)
+            node = FileNode.decode(raw)
         bs = node.block_size
         span = node.blocks[offset // bs:(end - 1) // bs + 1]
-        wanted = [b for b in span if b != ZERO_ID and b not in self.pending]
-        fetched = dict(zip(wanted, self.store.get_objects(wanted), strict=True)) if (
-            len(wanted) > 1) else {}
+        wanted = [b for b in span if b != ZERO_ID and b not in self.pending
+                  and b not in fetched]
+        if len(wanted) > 1:
+            fetched.update(zip(wanted, self.store.get_objects(wanted), strict=True))
 
         def fetch(oid: bytes) -> bytes:
             return fetched[oid] if oid in fetched else self.get_object(oid)

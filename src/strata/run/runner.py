@@ -141,8 +141,15 @@ def _pinned_heads(store: Store, specs: list[VolumeSpec], leases: _Leases) -> lis
 def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox: str = "bwrap",
              timeout: float | None = None, memory: int | None = None, network: bool = False,
              lease_wait: float = 600.0, message: str | None = None,
-             identical: bool = False) -> StepResult:
-    """Run `argv` as one transaction over `specs` (see the module docstring)."""
+             identical: bool = False, root: tuple[str, str] | None = None) -> StepResult:
+    """Run `argv` as one transaction over `specs` (see the module docstring).
+
+    With `root` (a workspace's volume and branch) the workspace is the
+    sandbox's whole root and the volumes are at /storage in it. The root is
+    durable, not part of the transaction: it is detached (flushed) when the
+    command ends, whatever its status, and only then are the volumes
+    published (exit 0) or dropped.
+    """
     from strata.mount.process import Prepared
     from strata.server.client import RemoteStore
     if not isinstance(store, RemoteStore):
@@ -157,6 +164,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
     # The mount process first: it loads the FUSE stack while this one pins and forks.
     mounter = Prepared(watch_pid=os.getpid())
     sweep_abandoned_steps()  # what runners killed at the wrong moment left behind
+    ws_root = _WorkspaceRoot(store, *root, run_id) if root is not None else None
     try:
         for spec in specs:
             if spec.exclusive and not spec.run_scoped:
@@ -194,8 +202,12 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         # again (a sweep must see that someone still owns this scratch).
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             st.pid = type(st).load(st.scratch).pid
+        if ws_root is not None:
+            ws_root.__enter__()
+            os.makedirs(os.path.join(ws_root.dir, "storage"), exist_ok=True)  # mount point
         cmd, env = build_command(sandbox, argv, storage, network=network,
-                                 workdir=state.scratch, run_id=run_id, memory=memory)
+                                 workdir=state.scratch, run_id=run_id, memory=memory,
+                                 root=ws_root.dir if ws_root is not None else None)
         result.timings["start"] = time.monotonic() - t0
         t1 = time.monotonic()
 
@@ -214,13 +226,18 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
                                                        outcome.oom)
         if result.timed_out:
             result.status = 124  # as coreutils timeout(1) reports it
+        root_head = ws_root.detach() if ws_root is not None else None
         if result.status == 0:
             if leases.lost:
                 raise Unavailable(f"lost the lease on {', '.join(leases.lost)}; not publishing")
             _publish(store, state, result, argv, message, leases.tokens(), identical)
+        if ws_root is not None and root_head is not None:
+            result.published[ws_root.volume] = root_head  # durable whatever the status
         result.timings["finish"] = time.monotonic() - t2
         return result
     finally:
+        if ws_root is not None:
+            ws_root.__exit__(None, None, None)
         mounter.cancel()  # a mount process never handed a state exits
         if state is not None:
             with contextlib.suppress(Exception):
@@ -228,6 +245,60 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         leases.release()
         if state is not None:
             shutil.rmtree(state.scratch, ignore_errors=True)
+
+
+class _WorkspaceRoot:
+    """A workspace attached as a command's whole root, for the length of a step.
+
+    It is attached outside the step's scratch directory: a teardown that
+    removes the scratch must never reach into a workspace still mounted.
+    """
+
+    def __init__(self, store: Store, volume: str, branch: str, run_id: str) -> None:
+        from strata.server.client import RemoteStore
+        if not isinstance(store, RemoteStore):
+            raise StrataError("a workspace root needs a store server")
+        self.store, self.volume, self.branch = store, volume, branch
+        self.work = os.path.join(scratch_root(), f"root-{run_id}")
+        self.dir = os.path.join(self.work, "root")
+        self.attached = False
+
+    def __enter__(self) -> _WorkspaceRoot:
+        from strata.server.client import RemoteStore
+        from strata.workspace.attach import attach
+        assert isinstance(self.store, RemoteStore)
+        os.makedirs(self.dir)
+        try:
+            attach(self.store.url, self.store.token, self.volume, self.branch, self.dir)
+        except BaseException:
+            self._clean()
+            raise
+        self.attached = True
+        return self
+
+    def detach(self) -> str:
+        """Detach (which flushes everything the command wrote); the workspace's head."""
+        from strata.workspace.attach import detach
+        if self.attached:
+            self.attached = False
+            detach(self.dir)
+        return self.store.head(self.volume, self.branch)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.attached:
+                with contextlib.suppress(Exception):
+                    self.detach()
+        finally:
+            self._clean()
+
+    def _clean(self) -> None:
+        with contextlib.suppress(OSError):
+            os.rmdir(self.dir)  # only when empty: never into a workspace still mounted
+        shutil.rmtree(os.path.join(self.work, "bundle"), ignore_errors=True)
+        shutil.rmtree(os.path.join(self.work, "runsc-root"), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.work)
 
 
 def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,
@@ -238,43 +309,25 @@ def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,
     A workspace is durable, not transactional: what the command wrote stays,
     whatever its exit status, as on a machine's disk. The workspace is
     attached for the command (fencing any other holder) and detached after,
-    which flushes it.
+    which flushes it. `run_step(..., root=...)` adds volumes beside it.
     """
-    from strata.server.client import RemoteStore
-    from strata.workspace.attach import attach, detach
-    if not isinstance(store, RemoteStore):
-        raise StrataError("a workspace root needs a store server")
     t0 = time.monotonic()
     run_id = uuid.uuid4().hex[:12]
     result = StepResult(run_id, 0)
-    work = os.path.join(scratch_root(), f"root-{run_id}")
-    root = os.path.join(work, "root")
-    os.makedirs(root)
-    try:
-        attach(store.url, store.token, volume, branch, root)
-        try:
-            cmd, env = build_command(sandbox, argv, "", network=network, workdir=work,
-                                     run_id=run_id, memory=memory, root=root)
-            result.timings["start"] = time.monotonic() - t0
-            t1 = time.monotonic()
-            outcome = run_command(cmd, env, cwd=root, timeout=timeout, memory=memory,
-                                  cgroup_name=f"strata-{run_id}")
-            result.timings["command"] = time.monotonic() - t1
-        finally:
-            detach(root)
-        result.status, result.timed_out, result.oom = (outcome.status, outcome.timed_out,
-                                                       outcome.oom)
-        if result.timed_out:
-            result.status = 124
-        result.published = {volume: store.head(volume, branch)}
-        return result
-    finally:
-        with contextlib.suppress(OSError):
-            os.rmdir(root)  # only when empty: never into a workspace still mounted
-        shutil.rmtree(os.path.join(work, "bundle"), ignore_errors=True)
-        shutil.rmtree(os.path.join(work, "runsc-root"), ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(work)
+    with _WorkspaceRoot(store, volume, branch, run_id) as root:
+        cmd, env = build_command(sandbox, argv, "", network=network, workdir=root.work,
+                                 run_id=run_id, memory=memory, root=root.dir)
+        result.timings["start"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        outcome = run_command(cmd, env, cwd=root.dir, timeout=timeout, memory=memory,
+                              cgroup_name=f"strata-{run_id}")
+        result.timings["command"] = time.monotonic() - t1
+        result.published = {volume: root.detach()}
+    result.status, result.timed_out, result.oom = (outcome.status, outcome.timed_out,
+                                                   outcome.oom)
+    if result.timed_out:
+        result.status = 124
+    return result
 
 
 def _publish(store: Store, state: MountState, result: StepResult, argv: list[str],

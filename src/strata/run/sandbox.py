@@ -109,8 +109,8 @@ def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
     if root is not None:
-        return _root_command(sandbox, argv, root, env, network=network, workdir=workdir,
-                             run_id=run_id, memory=memory)
+        return _root_command(sandbox, argv, root, storage, env, network=network,
+                             workdir=workdir, run_id=run_id, memory=memory)
     if sandbox == "none":
         env["STRATA_STORAGE"] = storage
         return argv, env
@@ -144,17 +144,25 @@ def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
     raise InvalidInput(f"unknown sandbox {sandbox!r} (use {', '.join(SANDBOXES)})")
 
 
-def _root_command(sandbox: str, argv: list[str], root: str, env: dict[str, str], *,
-                  network: bool, workdir: str, run_id: str, memory: int | None
-                  ) -> tuple[list[str], dict[str, str]]:
+def _root_command(sandbox: str, argv: list[str], root: str, storage: str,
+                  env: dict[str, str], *, network: bool, workdir: str, run_id: str,
+                  memory: int | None) -> tuple[list[str], dict[str, str]]:
+    """`argv` with `root` as the whole root, and the step's volumes (if any) at /storage.
+
+    The caller has made `ROOT/storage` (the mount point) when there are volumes.
+    """
     env = {k: v for k, v in env.items() if k in ("PATH", "LANG", "TERM", "HOME")}
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    if storage:
+        env["STRATA_STORAGE"] = "/storage"
     if sandbox == "bwrap":
         if shutil.which("bwrap") is None:
             raise InvalidInput("bubblewrap (bwrap) is not installed")
         cmd = ["bwrap", "--bind", root, "/", "--dev", "/dev", "--proc", "/proc",
-               "--perms", "1777", "--tmpfs", "/tmp", "--die-with-parent", "--new-session",
-               "--chdir", "/"]
+               "--perms", "1777", "--tmpfs", "/tmp", "--die-with-parent", "--new-session"]
+        if storage:
+            cmd += ["--bind", storage, "/storage"]
+        cmd += ["--chdir", "/storage" if storage else "/"]
         if os.getuid() == 0:
             # A whole system's files belong to many users (apt's `_apt`, daemons'), and
             # a user namespace maps only one: root inside could not touch the rest. So
@@ -174,7 +182,7 @@ def _root_command(sandbox: str, argv: list[str], root: str, env: dict[str, str],
     if sandbox == "gvisor":
         if shutil.which("runsc") is None:
             raise InvalidInput("gVisor (runsc) is not installed")
-        config = _oci_config(argv, env, "", network=network, memory=memory, root=root)
+        config = _oci_config(argv, env, storage, network=network, memory=memory, root=root)
         return _runsc(config, workdir, run_id, network=network), env
     raise InvalidInput(f"a workspace root needs a sandbox (bwrap or gvisor), not {sandbox!r}")
 
@@ -204,13 +212,13 @@ def _oci_config(argv: list[str], env: dict[str, str], storage: str, *, network: 
         {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
          "options": ["nosuid", "nodev", "mode=1777"]},
     ]
-    if root is None:
+    if storage:  # the step's volumes (a workspace root alone has none)
         mounts.append({"destination": "/storage", "type": "bind", "source": storage,
                        "options": ["rbind", "rw"]})
     return {
         "ociVersion": "1.0.0",
         "process": {"terminal": False, "user": {"uid": os.getuid(), "gid": os.getgid()},
-                    "args": argv, "cwd": "/" if root else "/storage",
+                    "args": argv, "cwd": "/storage" if storage else "/",
                     "env": [f"{k}={v}" for k, v in env.items()]},
         "root": {"path": root or "/", "readonly": root is None},
         "hostname": "strata-step",

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 MAX_HEADER_LINE = 65536
 MAX_HEADERS = 100
+PREFETCH_KEEP = 1024  # prefetched tree nodes kept raw until read (oldest dropped first)
 
 
 class BadResponse(Exception):
@@ -269,6 +270,8 @@ class RemoteStore(Store):
         self._local = threading.local()
         self.node_cache = NodeCache()
         self._snap_cache: dict[str, SnapshotInfo] = {}
+        self._prefetch_raw: dict[bytes, bytes] = {}  # tree nodes a publish sent back
+        self._prefetch_lock = threading.Lock()
         self._block_size: int | None = None
         # Object reads and publishes take the lean stream when the server offers one.
         self._lean = wire.lean_path(self.where) if self.kind == "unix" else None
@@ -288,13 +291,14 @@ class RemoteStore(Store):
         if self._lean is None or time.monotonic() < self._lean_after:
             return _MISS
         conn: _LeanConn | None = getattr(self._local, "lean", None)
+        fresh = conn is None
         try:
             if conn is None:
                 conn = self._local.lean = _LeanConn(self._lean, self.timeout)
             status, result = conn.call(list(request))
-        except (OSError, BadResponse) as exc:
+        except (OSError, BadResponse):
             self._drop_lean()
-            if conn is None or isinstance(exc, FileNotFoundError | ConnectionRefusedError):
+            if fresh:  # no stream, or it is full (it hangs up at once): HTTP for a second
                 self._lean_after = time.monotonic() + 1.0
             return _MISS  # HTTP retries (a publish carries its id: a retry is safe)
         if status == 0:
@@ -400,6 +404,10 @@ class RemoteStore(Store):
                      "application/octet-stream")
 
     def get_object(self, oid: bytes) -> bytes:
+        with self._prefetch_lock:
+            raw = self._prefetch_raw.pop(oid, None)
+        if raw is not None:
+            return raw  # verified when it arrived
         got = self._lean_call("get", oid)
         if isinstance(got, bytes):
             return _verified(oid, got)
@@ -407,6 +415,33 @@ class RemoteStore(Store):
             raise InvalidInput("the server answered an object read with no bytes")
         _s, _h, data = self.request("GET", f"/v1/objects/{oid.hex()}")
         return _verified(oid, data)
+
+    def get_file(self, ref: bytes, offset: int, end: int) -> tuple[bytes, dict[bytes, bytes]]:
+        """The file node and the blocks of [offset, end) that fit one lean answer.
+
+        Every object is verified against its id; blocks the answer left out
+        are the caller's to read. Without the lean stream: two requests.
+        """
+        got = self._lean_call("get_file", ref, offset, end)
+        if got is _MISS:
+            return super().get_file(ref, offset, end)
+        from strata.engine.objects import FILENODE, ZERO_ID, FileNode, object_id
+        if not (isinstance(got, list) and len(got) == 2 and isinstance(got[0], bytes)
+                and isinstance(got[1], list) and all(isinstance(b, bytes) for b in got[1])):
+            raise InvalidInput("the server's file read answer is malformed")
+        raw, blocks = got
+        if object_id(FILENODE, raw) != ref:
+            raise Corrupt("server", 0,
+                          f"the bytes sent for file node {ref.hex()} do not match its id")
+        node = FileNode.decode(raw)
+        if end <= offset:
+            return raw, {}
+        bs = node.block_size
+        want = [b for b in dict.fromkeys(node.blocks[offset // bs:(end - 1) // bs + 1])
+                if b != ZERO_ID]
+        if len(blocks) > len(want):
+            raise InvalidInput("the server's file read answer has blocks it was not asked for")
+        return raw, {oid: _verified(oid, b) for oid, b in zip(want, blocks, strict=False)}
 
     def get_objects(self, ids: Sequence[bytes]) -> list[bytes]:
         out: list[bytes] = []
@@ -527,12 +562,16 @@ class RemoteStore(Store):
 
     def _prefetched(self, oid_hex: str, raw: bytes) -> None:
         # Verified like any object: the cache must never hold bytes under a wrong id.
-        from strata.engine.objects import SNAPSHOT, TREE, Snapshot, TreeNode, object_id
+        # A tree node is kept raw and decoded only if it is read (most never are).
+        from strata.engine.objects import SNAPSHOT, TREE, Snapshot, object_id
         oid = bytes.fromhex(oid_hex)
         if object_id(SNAPSHOT, raw) == oid:
             self._snap_cache[oid_hex] = SnapshotInfo.of(oid_hex, Snapshot.decode(raw))
         elif object_id(TREE, raw) == oid:
-            self.node_cache.put(oid, TreeNode.decode(raw))
+            with self._prefetch_lock:
+                self._prefetch_raw[oid] = raw
+                while len(self._prefetch_raw) > PREFETCH_KEEP:
+                    del self._prefetch_raw[next(iter(self._prefetch_raw))]
 
     def whoami(self) -> dict[str, Any]:
         """The caller's scope: owner, volume, branch, writable."""

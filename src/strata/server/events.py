@@ -8,7 +8,9 @@ executor thread that did it; one worker thread turns notes into events:
   snapshot names its parent, the head it replaced, so an event whose parent has
   not been announced yet waits for it (at most `PARK_SECONDS`);
 - it counts what each publish changed (+ added, - deleted, M modified) by
-  diffing the parent's tree with the new one, off the publish path;
+  diffing the parent's tree with the new one, off the publish path: at once
+  when a reader is listening, else when a reader first reads the event (a
+  store nobody watches diffs nothing);
 - it numbers events and keeps the newest `ring` of them in memory.
 
 A reader (`Subscription`) follows the ring from a sequence number. A reader
@@ -48,6 +50,7 @@ PARK_SECONDS = 2.0     # the longest a publish waits for its parent's event
 COUNT_LIMIT = 100_000  # diff lines counted per publish before giving up ("truncated")
 CATCHUP_LIMIT = 10_000  # snapshots walked back per branch when catching up
 MAX_PATHS = 100        # conflicting paths carried by one event
+UNCOUNTED = "_uncounted"  # a publish event whose change counts no reader has needed yet
 
 Key = tuple[str, str]  # (volume, branch)
 
@@ -75,6 +78,8 @@ class EventFeed:
         self._announced: collections.OrderedDict[tuple[Key, str], None] = (
             collections.OrderedDict())
         self._closed = False
+        self._counts: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self._ring_size = ring
         self._listeners: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._work, name="strata-events", daemon=True)
         self._thread.start()
@@ -150,6 +155,30 @@ class EventFeed:
     def closed(self) -> bool:
         return self._closed
 
+    def counted(self, store: Store | None, event: dict[str, Any]) -> dict[str, Any]:
+        """`event` as a reader gets it: with its change counts, computed once.
+
+        The ring's event is never changed (another reader may be sending it);
+        the counts are kept by snapshot. A snapshot collected before anyone read
+        its event goes out without counts.
+        """
+        if not event.get(UNCOUNTED):
+            return event
+        out = {k: v for k, v in event.items() if k != UNCOUNTED}
+        sid = event["snapshot"]
+        with self._lock:
+            counts = self._counts.get(sid)
+        if counts is None and store is not None:
+            try:
+                counts = count_changes(store, sid)
+            except StrataError:
+                return out
+            with self._lock:
+                self._counts[sid] = counts
+                while len(self._counts) > self._ring_size:
+                    self._counts.popitem(last=False)
+        return {**out, **(counts or {})}
+
     # -- the worker ----------------------------------------------------------------------
 
     def _work(self) -> None:
@@ -204,7 +233,11 @@ class EventFeed:
             store = self._store()
             if store is None:
                 return
-            event.update(describe_publish(store, event["snapshot"]))
+            with self._lock:
+                watched = bool(self._listeners)
+            # Counting the changes diffs two trees: done now for a reader that waits,
+            # else by the first reader that reads the event (`EventFeed.counted`).
+            event.update(describe_publish(store, event["snapshot"], counts=watched))
             event["status"] = 0 if event.get("run") else None
         elif note.kind == "conflict":
             event["status"] = 3 if event.get("run") else None
@@ -235,12 +268,27 @@ def _run_of(meta: dict[str, Any]) -> str | None:
     return run if isinstance(run, str) else None
 
 
-def describe_publish(store: Store, sid: str, count_limit: int = COUNT_LIMIT) -> dict[str, Any]:
-    """A snapshot as a publish event describes it: parent, message, time, +/-/M counts."""
+def describe_publish(store: Store, sid: str, count_limit: int = COUNT_LIMIT, *,
+                     counts: bool = True) -> dict[str, Any]:
+    """A snapshot as a publish event describes it: parent, message, time, +/-/M counts.
+
+    With `counts=False` the counts are left to `EventFeed.counted` (the event
+    carries UNCOUNTED until then).
+    """
     info = store.snapshot(sid)
     out: dict[str, Any] = {"snapshot": sid, "parent": info.parent, "message": info.message,
-                           "snapshot_time": info.time_ns / 1e9, "run": _run_of(info.meta),
-                           "added": 0, "deleted": 0, "modified": 0}
+                           "snapshot_time": info.time_ns / 1e9, "run": _run_of(info.meta)}
+    if counts:
+        out.update(count_changes(store, sid, count_limit))
+    else:
+        out[UNCOUNTED] = True
+    return out
+
+
+def count_changes(store: Store, sid: str, count_limit: int = COUNT_LIMIT) -> dict[str, Any]:
+    """How many paths a snapshot added, deleted and modified against its parent."""
+    info = store.snapshot(sid)
+    out: dict[str, Any] = {"added": 0, "deleted": 0, "modified": 0}
     if info.parent is None:
         return out
     base = store.snapshot(info.parent).root
@@ -382,7 +430,7 @@ class Subscription:
                 self.known[key] = ev["snapshot"]
             elif ev["type"] == "branch_deleted":
                 self.known.pop(key, None)
-            out.append(ev)
+            out.append(self.feed.counted(store, ev))
         return out
 
 

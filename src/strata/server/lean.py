@@ -4,10 +4,11 @@ A second unix socket beside the store's own (`serve.sock.lean`, mode 0600
 like it, published and handed off the same way) carries a persistent stream
 of length-prefixed msgpack frames, one request and then its answer at a
 time per connection (docs/api.md, "The lean stream"). It serves only the
-hot calls: `get` (one object), `get_many` (a batch read), `publish`, and
-`list` (what `strata ls` shows, in one round trip). The HTTP API stays
-the whole surface; a client falls back to it whenever this socket is
-missing, full, or answers "changing owner".
+hot calls: `get` (one object), `get_many` (a batch read), `get_file` (a file
+node and the blocks of a range, one round trip), `publish`, and `list` (what
+`strata ls` shows, in one round trip). The HTTP API stays the whole surface;
+a client falls back to it whenever this socket is missing, full, or answers
+"changing owner".
 
 Each connection has a thread of its own, outside the event loop: it reads a
 frame, calls the engine and writes the answer, with no hop between threads
@@ -23,7 +24,8 @@ Rules, as on the HTTP side:
   decoded and every field checked before the store is touched;
 - answers are bounded like the HTTP ones (MAX_BATCH_GET ids, MAX_BATCH_ANSWER
   bytes, held in the stream's answer budget until written);
-- requests count as in flight, so a handoff or stop drains them (`drain`);
+- a request counts as in flight once its body has arrived, so a handoff or
+  stop drains it (`drain`) without waiting for a client still sending;
   once the store is gone a connection gets "changing owner" and is closed.
 """
 
@@ -41,14 +43,14 @@ import msgpack
 
 from strata.engine.errors import InvalidInput, StrataError, Unavailable
 from strata.engine.names import check_branch, check_hex_id, check_volume, split_path
-from strata.engine.objects import ID_LEN, K_DIR, K_SYMLINK, Entry
+from strata.engine.objects import ID_LEN, K_DIR, K_SYMLINK, ZERO_ID, Entry, FileNode
 from strata.engine.tree import Trees
 from strata.server import app as api
 from strata.server import wire
 from strata.server.tokens import OWNER
 
 FRAME = struct.Struct(">I")
-MAX_CONNECTIONS = 64  # connections served at once (a thread each)
+MAX_CONNECTIONS = 256  # connections served at once (a thread each)
 MAX_LIST_PATHS = 16   # paths one `list` looks up
 LISTED_ENTRY_BYTES = 64  # an entry of a `list` answer without its name, about (for the budget)
 IO_TIMEOUT = 60.0     # a frame started must arrive within this (an idle connection may wait)
@@ -155,9 +157,11 @@ class LeanServer:
         """One request; False when the connection must close (the store has gone)."""
         try:
             with contextlib.ExitStack() as answer_held:  # an answer's bytes, until sent
-                with self._counted(), self.budget.hold(length):
+                with self.budget.hold(length):
+                    # In flight once the body is here: a drain never waits for a slow sender.
                     body = _recv_exactly(conn, length)
-                    result = self._dispatch(body, answer_held)
+                    with self._counted():
+                        result = self._dispatch(body, answer_held)
                 _send(conn, [0, result])
         except StrataError as exc:
             self._answer(conn, exc)
@@ -182,6 +186,9 @@ class LeanServer:
             return self._get_many([_oid(o) for o in args[0]], answer_held)
         if op == "publish" and len(args) == 1 and isinstance(args[0], bytes):
             return self._publish(args[0])
+        if (op == "get_file" and len(args) == 3 and isinstance(args[1], int)
+                and isinstance(args[2], int)):
+            return self._get_file(_oid(args[0]), args[1], args[2], answer_held)
         if op == "list" and len(args) == 4:
             return self._list(*args, answer_held=answer_held)
         raise InvalidInput(f"no lean operation {op!r} taking these arguments")
@@ -213,6 +220,38 @@ class LeanServer:
         raws = [store.get_object(o) for o in ids[:len(sizes)]]
         self._served(len(raws), sum(len(r) for r in raws))
         return raws
+
+    def _get_file(self, ref: bytes, offset: int, end: int,
+                  answer_held: contextlib.ExitStack) -> list[Any]:
+        """A file node and the blocks covering [offset, end) that fit one answer.
+
+        The blocks come in the order of their first appearance in the range,
+        holes left out, so the client knows which id each one is.
+        """
+        if not 0 <= offset <= end:
+            raise InvalidInput("a file range is 0 <= offset <= end")
+        store = self.state.need_store()
+        raw = store.get_object(ref)
+        try:
+            node = FileNode.decode(raw)
+        except (ValueError, TypeError, KeyError, IndexError):
+            raise InvalidInput(f"{ref.hex()} is not a file node") from None
+        bs = node.block_size
+        want = [] if end == offset else [
+            b for b in dict.fromkeys(node.blocks[offset // bs:(end - 1) // bs + 1])
+            if b != ZERO_ID][:api.MAX_BATCH_GET]
+        sizes: list[int] = []
+        total = len(raw)
+        for oid in want:
+            n = store.object_size(oid)
+            if total + n > api.MAX_BATCH_ANSWER:
+                break
+            sizes.append(n)
+            total += n
+        answer_held.enter_context(self.answers.hold(total))
+        blocks = [store.get_object(o) for o in want[:len(sizes)]]
+        self._served(1 + len(blocks), total)
+        return [raw, blocks]
 
     def _publish(self, body: bytes) -> dict[str, Any]:
         heads, prefetch = api.publish_now(self.state, OWNER, wire.decode_publish(body))

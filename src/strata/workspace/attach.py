@@ -47,7 +47,11 @@ FLUSH_DIRTY = 64 << 20     # write back in the background once this much is dirt
 FLUSH_AGE = 5.0            # ... or once something has been dirty this long
 FIFREEZE = 0xC0045877
 FITHAW = 0xC0045878
-MKFS = ["mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1"]
+# fast_commit: an fsync of a file writes one small fast-commit block instead of a
+# whole journal transaction (descriptor, metadata blocks, commit block): two
+# device writes per fsync instead of three, each flush one dirty block.
+MKFS = ["mkfs.ext4", "-q", "-F", "-O", "fast_commit",
+        "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1"]
 MOUNT_OPTIONS = "noatime"
 
 

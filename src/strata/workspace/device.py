@@ -163,6 +163,19 @@ class Device:
                 self._clean.move_to_end(i)
         return data
 
+    def _pending_or_hole(self, i: int) -> bytes | None:
+        """`_pending`, or b"" for a block the published map knows is a hole (holds the lock).
+
+        A journal or a file growing into blocks never written needs no fetch.
+        """
+        data = self._pending(i)
+        if data is None:
+            x, k = divmod(i, self.layout.per_extent)
+            ids = self._extents.get(x)
+            if ids is not None and ids[k] == ZERO_ID:
+                return b""
+        return data
+
     def _fetch(self, i: int) -> bytes:
         """Block `i` as published: from the cache or the store, zeros for a hole."""
         bs = self.layout.block
@@ -279,7 +292,7 @@ class Device:
             first, last = offset // bs, (end - 1) // bs
             for i in {first, last}:
                 lo, hi = max(offset - i * bs, 0), min(end - i * bs, bs)
-                if (lo, hi) != (0, bs) and self._pending(i) is None:
+                if (lo, hi) != (0, bs) and self._pending_or_hole(i) is None:
                     return False
             view = memoryview(data)
             for i in range(first, last + 1):
@@ -288,7 +301,7 @@ class Device:
                 if (lo, hi) == (0, bs):
                     self._store_dirty(i, trim_zeros(bytes(piece)))
                     continue
-                base = self._pending(i)
+                base = self._pending_or_hole(i)
                 assert base is not None
                 buf = bytearray(base)
                 if len(buf) < hi:
@@ -307,7 +320,7 @@ class Device:
             while pos < end:
                 i, lo = divmod(pos, bs)
                 n = min(bs - lo, end - pos)
-                data = self._pending(i)
+                data = self._pending_or_hole(i)
                 if data is None:
                     return None
                 data = data[lo:lo + n]

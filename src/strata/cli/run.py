@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
-from strata.cli.common import open_remote, parse_size, print_json, quote_path
+from strata.cli.common import (
+    ensure_server,
+    open_remote,
+    parse_size,
+    print_json,
+    quote_path,
+    server_url,
+    store_path,
+)
 from strata.engine.errors import InvalidInput
 
 
@@ -58,8 +67,6 @@ def _run_root(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from strata.run.runner import run_step
-    from strata.run.spec import parse_spec
     argv = list(args.cmd)
     if argv and argv[0] == "--":
         argv = argv[1:]
@@ -67,6 +74,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InvalidInput("no command given (strata run -v VOL -- CMD ...)")
     if args.root is not None:
         return _run_root(args, argv)
+    if server_url(args) is None and os.environ.get("STRATA_RUN_IN_PROCESS") != "1":
+        return _report(args, _via_service(args, argv))
+    from strata.run.runner import run_step
+    from strata.run.spec import parse_spec
     specs = [parse_spec(s) for s in args.specs]
     if len({s.volume for s in specs}) != len(specs):
         raise InvalidInput("a volume appears twice")
@@ -74,18 +85,40 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = run_step(store, specs, argv, sandbox=args.sandbox, timeout=args.timeout,
                           memory=args.memory, network=args.network, message=args.message,
                           identical=args.merge_identical)
+    return _report(args, result.to_json())
+
+
+def _via_service(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """The step, run by the store's step service (run/service.py).
+
+    The service has the mount stack loaded already; this process only passes
+    its stdio and waits.
+    """
+    from strata.run import client
+    store = os.path.abspath(store_path(args))
+    if not client.server_answers(store):
+        ensure_server(store)
+    return client.run_step(store, {
+        "argv": argv, "specs": list(args.specs), "sandbox": args.sandbox,
+        "timeout": args.timeout, "memory": args.memory, "network": args.network,
+        "message": args.message, "identical": args.merge_identical})
+
+
+def _report(args: argparse.Namespace, result: dict[str, Any]) -> int:
+    """Print a step's result (StepResult.to_json) as the CLI shows it; its exit status."""
     if args.json:
-        print_json({"status": result.status, "published": result.published,
-                    "conflicts": result.conflicts, "run": result.run_id,
-                    "rejected": result.rejected, "timed_out": result.timed_out,
-                    "oom": result.oom, "timings": result.timings})
-    elif result.conflicts:
-        print(f"strata: error: conflict: {len(result.conflicts)} path(s) changed since the step "
-              f"began; nothing was published (kept on rejected/{result.run_id})",
+        print_json({"status": result["status"], "published": result["published"],
+                    "conflicts": result["conflicts"], "run": result["run"],
+                    "rejected": result["rejected"], "timed_out": result["timed_out"],
+                    "oom": result["oom"], "timings": result["timings"]})
+    elif result["conflicts"]:
+        print(f"strata: error: conflict: {len(result['conflicts'])} path(s) changed since the "
+              f"step began; nothing was published (kept on rejected/{result['run']})",
               file=sys.stderr)
-        for path in result.conflicts:
+        for path in result["conflicts"]:
             print(quote_path(path), file=sys.stderr)
-    elif result.timed_out:
+    elif result["timed_out"]:
         print(f"strata: step timed out after {args.timeout:g}s; nothing was published",
               file=sys.stderr)
-    return result.status
+    status: int = result["status"]
+    return status

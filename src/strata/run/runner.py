@@ -15,8 +15,9 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata.engine.errors import Conflict, Expired, StrataError, Unavailable
 from strata.engine.interface import ChangeSet, Store
@@ -33,6 +34,9 @@ from strata.mount.session import (
 )
 from strata.run.sandbox import build_command, run_command
 from strata.run.spec import VolumeSpec
+
+if TYPE_CHECKING:
+    from strata.mount.process import Prepared
 
 LEASE_TTL = 15.0
 PIN_TTL = 60.0  # the step's base snapshots, renewed with the leases
@@ -141,8 +145,18 @@ def _pinned_heads(store: Store, specs: list[VolumeSpec], leases: _Leases) -> lis
 def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox: str = "bwrap",
              timeout: float | None = None, memory: int | None = None, network: bool = False,
              lease_wait: float = 600.0, message: str | None = None,
-             identical: bool = False) -> StepResult:
-    """Run `argv` as one transaction over `specs` (see the module docstring)."""
+             identical: bool = False, mounter: Prepared | None = None,
+             mounter_env: bool = False,
+             on_publish: Callable[[], None] | None = None,
+             on_done: Callable[[StepResult], None] | None = None) -> StepResult:
+    """Run `argv` as one transaction over `specs` (see the module docstring).
+
+    `mounter` is a mount process forked already (the step service forks it
+    before a client arrives), which with `mounter_env` takes this process's
+    environment when it is handed the mount; `on_publish` is called just
+    before the publish is sent, `on_done` with the final result before the
+    mount is torn down (the service answers its client then).
+    """
     from strata.mount.process import Prepared
     from strata.server.client import RemoteStore
     if not isinstance(store, RemoteStore):
@@ -155,7 +169,8 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
     leases = _Leases(store)
     state: MountState | None = None
     # The mount process first: it loads the FUSE stack while this one pins and forks.
-    mounter = Prepared(watch_pid=os.getpid())
+    if mounter is None:
+        mounter = Prepared(watch_pid=os.getpid())
     sweep_abandoned_steps()  # what runners killed at the wrong moment left behind
     try:
         for spec in specs:
@@ -187,7 +202,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         st.mountpoint = storage
         st.extra["token"] = store.token
         st.save()
-        error = mounter.go(st)
+        error = mounter.go(st, dict(os.environ) if mounter_env else None)
         if error is not None:
             raise StrataError(f"could not mount the step's volumes: {error}")
         # The mount process recorded its pid; keep it when this runner saves the state
@@ -217,8 +232,12 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         if result.status == 0:
             if leases.lost:
                 raise Unavailable(f"lost the lease on {', '.join(leases.lost)}; not publishing")
+            if on_publish is not None:
+                on_publish()
             _publish(store, state, result, argv, message, leases.tokens(), identical)
         result.timings["finish"] = time.monotonic() - t2
+        if on_done is not None:
+            on_done(result)
         return result
     finally:
         mounter.cancel()  # a mount process never handed a state exits

@@ -10,6 +10,7 @@ refused one by one, and the service keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -113,12 +114,11 @@ def _raw(senv: StepEnv, data: bytes, fds: int = 3) -> dict[str, object] | None:
     try:
         sock.settimeout(30)
         sock.connect(client.socket_path(str(senv.store)))
-        if fds:
-            sent = socket.send_fds(sock, [data], [null] * fds)
-            sock.sendall(data[sent:])
-        else:
-            sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(BrokenPipeError):  # refused before it was all sent
+            sent = socket.send_fds(sock, [data], [null] * fds) if fds else 0
+            if sent < len(data):
+                sock.sendall(data[sent:])
+            sock.shutdown(socket.SHUT_WR)
         return client.read_frame(sock, client.MAX_ANSWER)
     finally:
         sock.close()

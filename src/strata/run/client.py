@@ -19,6 +19,7 @@ The wire format is in docs/api.md, "The step service".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -122,8 +123,10 @@ def run_step(store: str, request: dict[str, Any]) -> dict[str, Any]:
             try:
                 # Never shut the writing side: its end is how the worker learns
                 # that this process died.
-                sent = socket.send_fds(sock, [data], fds)
-                sock.sendall(data[sent:])
+                with contextlib.suppress(OSError):  # a refusal may close it early: read it
+                    sent = socket.send_fds(sock, [data], fds)
+                    if sent < len(data):
+                        sock.sendall(data[sent:])
                 answer = _answer(sock)
             finally:
                 sock.close()

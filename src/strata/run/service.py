@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
         return 0  # another service has the store
     _preload()
     listener = _listen(socket_path(store))
-    print(f"step service {os.getpid()} listening on {socket_path(store)}", flush=True)
+    os.write(1, f"step service {os.getpid()} listening on {socket_path(store)}\n".encode())
     try:
         _serve(listener, store, lock, _idle_exit())
     finally:

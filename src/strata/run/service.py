@@ -3,17 +3,18 @@
 Started on demand by `strata run` (run/client.py) as `python -m
 strata.run.service STORE`, it imports the mount stack (pyfuse3, trio), the
 store client and the runner once, listens on `STORE/steps.sock` (mode 0600),
-and forks one worker per connection. The worker reads and checks the request,
-forks the step's mount process (already loaded: no imports), takes the
-client's stdin, stdout and stderr as its own, and runs the step exactly as an
+and keeps workers forked ahead of their clients, each with its step's mount
+process forked already (no imports, no fork on the step's path). A worker
+takes one connection, reads and checks the request, takes the client's
+stdin, stdout and stderr as its own, and runs the step exactly as an
 in-process `strata run` would (`runner.run_step`). The client learns the
 result, or the error, as frames on the same connection (docs/api.md, "The
 step service").
 
 Dying stays safe, as it was with the runner in the CLI's own process:
 
-- The client dies: the worker sees its connection end and kills itself with
-  SIGKILL; its mount process notices, kills the step's processes and
+- The client dies: the kernel ends the worker (SIGIO on its connection,
+  `_die_with_client`); its mount process notices, kills the step's processes and
   discards everything, as it did when a runner died.
 - The worker dies: the same.
 - The service dies: every worker dies with it (PR_SET_PDEATHSIG), so the
@@ -40,7 +41,6 @@ import signal
 import socket
 import struct
 import sys
-import threading
 import time
 import traceback
 from typing import TYPE_CHECKING, Any
@@ -273,7 +273,7 @@ def _send(conn: socket.socket, doc: dict[str, Any]) -> bool:
         conn.sendall(frame(doc))
         return True
     except OSError:
-        return False  # the client is gone; its end is handled by the watcher
+        return False  # the client is gone (SIGIO ends this worker, see _die_with_client)
 
 
 class Refused(Exception):
@@ -446,15 +446,16 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
     for fd in fds:
         os.close(fd)
     fds.clear()
-    answered = threading.Event()
-    threading.Thread(target=_watch_client, args=(conn, answered), daemon=True).start()
+    answered: list[bool] = []  # non-empty once the answer is on its way
+    _die_with_client(conn)
 
     def publishing() -> None:
         _send(conn, {"event": "publishing"})
 
     def done(result: StepResult) -> None:
         _release_stdio(log)
-        answered.set()
+        answered.append(True)
+        _stop_dying_with_client(conn)
         doc: dict[str, Any] = {"event": "result", "result": result.to_json()}
         if len(frame(doc)) - 4 > MAX_ANSWER:
             doc = {"event": "error", "code": 1, "message": "the step's result is too large"}
@@ -467,11 +468,12 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
                  message=step["message"], identical=step["identical"], mounter=mounter,
                  mounter_env=True, on_publish=publishing, on_done=done)
     except Exception as exc:
-        if answered.is_set():
+        if answered:
             traceback.print_exc()  # after the answer: only the teardown failed
             return 1
         _release_stdio(log)
-        answered.set()
+        answered.append(True)
+        _stop_dying_with_client(conn)
         code = exc.exit_code if isinstance(exc, StrataError) else 1
         if not isinstance(exc, StrataError):
             traceback.print_exc()
@@ -498,19 +500,29 @@ def _release_stdio(log: int) -> None:
     os.dup2(log, 2)
 
 
-def _watch_client(conn: socket.socket, answered: threading.Event) -> None:
-    """Kill this worker the moment its client goes away before the answer.
+def _die_with_client(conn: socket.socket) -> None:
+    """Let the kernel end this worker the moment its client goes away.
 
-    The client sends nothing after its request, so anything readable (its end
-    of the stream) means it is gone, or broke the protocol: either way the
-    step is abandoned, and this worker's death is what discards it (its mount
+    The client sends nothing after its request, so the connection becoming
+    readable (its end, or bytes it should not send) means the step is
+    abandoned. With O_ASYNC the kernel then sends SIGIO, whose default
+    action ends the process at once, wherever it is (no thread, no Python
+    handler); this worker's death is what discards the step (its mount
     process kills the step's processes and removes everything).
+    `_stop_dying_with_client` undoes it before the answer goes out.
     """
-    poller = select.poll()
-    poller.register(conn.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
-    poller.poll()
-    if not answered.is_set():
-        os.kill(os.getpid(), signal.SIGKILL)
+    signal.signal(signal.SIGIO, signal.SIG_DFL)
+    fd = conn.fileno()
+    fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+    if select.select([fd], [], [], 0)[0]:
+        os.kill(os.getpid(), signal.SIGKILL)  # gone before there was anyone to tell
+
+
+def _stop_dying_with_client(conn: socket.socket) -> None:
+    signal.signal(signal.SIGIO, signal.SIG_IGN)
+    fd = conn.fileno()
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_ASYNC)
 
 
 if __name__ == "__main__":

@@ -113,7 +113,12 @@ class MountState:
 
 
 def new_state(mountpoint: str, server: str | None, volumes: list[VolumeState],
-              single: bool, extra: dict[str, Any] | None = None) -> MountState:
+              single: bool, extra: dict[str, Any] | None = None, *,
+              save: bool = True) -> MountState:
+    """A new scratch directory and its state; `save=False` leaves state.json to the caller.
+
+    (A scratch without state.json is never swept: nobody can tell whose it is.)
+    """
     mid = uuid.uuid4().hex[:12]
     root = scratch_root()
     os.makedirs(root, mode=0o700, exist_ok=True)
@@ -125,7 +130,8 @@ def new_state(mountpoint: str, server: str | None, volumes: list[VolumeState],
         os.makedirs(os.path.join(scratch, "work", v.name or "_"), mode=0o700)
     state = MountState(mid, os.path.realpath(mountpoint), scratch, server, volumes, single,
                        os.getpid(), dict(extra or {}))
-    state.save()
+    if save:
+        state.save()
     return state
 
 
@@ -333,7 +339,8 @@ def commit(store: Store, state: MountState, *, message: str = "",
             # the state does not name yet, which the next scan ignores.
             statcache.save(state.index(v), volume=v.volume, pinned=v.pinned, base=v.base,
                            stamp_ns=scan.stamp_ns, files=_cache_rows(scan))
-    state.save()
+    if remember:
+        state.save()  # a step's state is dropped with its scratch right after
     return CommitResult(published, sum(len(c) for _v, c, _s in work), sent,
                         time.monotonic() - t0, sum(s.files_hashed for _v, _c, s in work),
                         sum(s.bytes_hashed for _v, _c, s in work))

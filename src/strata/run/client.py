@@ -31,6 +31,7 @@ from strata.engine.errors import StrataError, Unavailable
 
 PROTOCOL = 1
 SOCKET_NAME = "steps.sock"
+SERVER_SOCKET = "serve.sock"  # the store's server (server/client.py's SOCKET_NAME)
 LOCK_NAME = "steps.lock"
 LOG_NAME = "steps.log"
 MAX_REQUEST = 1 << 20   # bytes of one request body (argv, environment, specs)
@@ -50,16 +51,24 @@ def socket_path(store: str) -> str:
 
 
 def server_answers(store: str) -> bool:
-    """True if the store's own server accepts connections.
+    """True if the store's own server answers a request (GET /v1/info).
 
-    server/client.py's `is_serving` on `default_socket`, without importing
-    the client.
+    A request, not only a connection: it starts the server's idle time
+    again (STRATA_SERVER_IDLE_EXIT), so a server about to leave stays for
+    the requests the step service makes a moment later on this step's
+    behalf. Without importing the HTTP client (server/client.py).
     """
-    sock = _try_connect(os.path.join(store, "serve.sock"))
+    sock = _try_connect(os.path.join(store, SERVER_SOCKET))
     if sock is None:
         return False
-    sock.close()
-    return True
+    try:
+        sock.settimeout(10.0)
+        sock.sendall(b"GET /v1/info HTTP/1.1\r\nHost: strata\r\nConnection: close\r\n\r\n")
+        return sock.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 def frame(doc: dict[str, Any]) -> bytes:

@@ -196,7 +196,8 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         # directory, the OCI bundle, runsc's state), so the mount process's teardown
         # removes it all when this runner dies.
         state = st = new_state(os.path.join(scratch_root(), "_"), store.url, vols,
-                               single=False, extra={"run": run_id, "runner": os.getpid()})
+                               single=False, extra={"run": run_id, "runner": os.getpid()},
+                               save=False)
         storage = os.path.join(st.scratch, "storage")
         os.mkdir(storage, 0o755)
         st.mountpoint = storage

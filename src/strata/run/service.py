@@ -51,8 +51,8 @@ from strata.run.client import (
     MAX_ANSWER,
     MAX_REQUEST,
     PROTOCOL,
+    SERVER_SOCKET,
     frame,
-    server_answers,
     socket_path,
 )
 
@@ -78,10 +78,15 @@ def main(argv: list[str]) -> int:
     if lock is None:
         return 0  # another service has the store
     _preload()
+    from strata.engine.storedir import read_store_meta
+    try:  # fixed when the store was made: spares every step a request for it
+        block = int(read_store_meta(store)["block_size"])
+    except (StrataError, KeyError, ValueError, TypeError):
+        block = 0  # asked of the server, as any client does
     listener = _listen(socket_path(store))
     os.write(1, f"step service {os.getpid()} listening on {socket_path(store)}\n".encode())
     try:
-        _serve(listener, store, lock, _idle_exit())
+        _serve(listener, store, lock, _idle_exit(), block)
     finally:
         listener.close()
         os.close(lock)
@@ -170,8 +175,8 @@ class _Pool:
     for the worker's mount process, which the worker forks before it accepts.
     """
 
-    def __init__(self, listener: socket.socket, lock: int, store: str) -> None:
-        self.listener, self.lock, self.store = listener, lock, store
+    def __init__(self, listener: socket.socket, lock: int, store: str, block: int) -> None:
+        self.listener, self.lock, self.store, self.block = listener, lock, store, block
         self.took_r, self.took_w = os.pipe()
         self.idle: set[int] = set()
         self.busy: set[int] = set()
@@ -214,7 +219,7 @@ class _Pool:
         try:
             os.close(self.lock)  # a fresh service may start the moment this one is gone
             os.close(self.took_r)
-            code = _worker(self.listener, self.took_w, service, self.store)
+            code = _worker(self.listener, self.took_w, service, self.store, self.block)
         except BaseException:
             with contextlib.suppress(Exception):
                 traceback.print_exc()
@@ -225,8 +230,8 @@ class _Pool:
             os._exit(code)
 
 
-def _serve(listener: socket.socket, store: str, lock: int, idle: float) -> None:
-    pool = _Pool(listener, lock, store)
+def _serve(listener: socket.socket, store: str, lock: int, idle: float, block: int) -> None:
+    pool = _Pool(listener, lock, store, block)
     last = time.monotonic()
     next_check = last + CHECK_SERVER_EVERY
     try:
@@ -245,7 +250,8 @@ def _serve(listener: socket.socket, store: str, lock: int, idle: float) -> None:
                 return
             if now >= next_check:
                 next_check = now + CHECK_SERVER_EVERY
-                if not server_answers(store):
+                # A connection only: a request would keep the server from ever idling.
+                if not _answers(os.path.join(store, SERVER_SOCKET)):
                     return  # the store's server stopped: so do we (a client starts both)
     finally:
         # No new connection from here on; a worker that took one just now says so
@@ -284,7 +290,7 @@ class Refused(Exception):
         self.code = code
 
 
-def _worker(listener: socket.socket, took: int, service: int, store: str) -> int:
+def _worker(listener: socket.socket, took: int, service: int, store: str, block: int) -> int:
     """A pre-forked worker: fork the mount process, take one connection, run its step."""
     from strata.mount.process import Prepared
     if not _die_with_parent(service):
@@ -319,7 +325,7 @@ def _worker(listener: socket.socket, took: int, service: int, store: str) -> int
             _send(conn, {"event": "error", "code": 2, "message": f"bad request: {exc}"})
             return 1
         conn.settimeout(None)
-        return _run(conn, step, fds, store, mounter)
+        return _run(conn, step, fds, store, mounter, block)
     finally:
         mounter.cancel()
         for fd in fds:
@@ -427,7 +433,7 @@ def _check(raw: Any) -> dict[str, Any]:
 
 
 def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: str,
-         mounter: Prepared) -> int:
+         mounter: Prepared, block: int) -> int:
     """Run the checked step with the client's stdio; answer on `conn`."""
     from strata.run.runner import StepResult, run_step
     from strata.server.client import RemoteStore, default_socket
@@ -462,6 +468,8 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
         _send(conn, doc)
 
     store = RemoteStore("unix:" + default_socket(store_dir))
+    if block:
+        store.block_size = block
     try:
         run_step(store, step["specs"], step["argv"], sandbox=step["sandbox"],
                  timeout=step["timeout"], memory=step["memory"], network=step["network"],

@@ -178,3 +178,11 @@ def test_the_service_leaves_with_the_server(senv: StepEnv, tmp_path: Path) -> No
     # The next step starts both again.
     assert senv.step(["v"], sh(f"echo x > {VOL}/f")).rc == 0
     assert senv.ls("v") == ["f"]
+
+
+def test_a_command_that_cannot_run_is_an_error_and_publishes_nothing(senv: StepEnv) -> None:
+    before = senv.head("v")
+    r = senv.step(["v"], ["no-such-command-here"])
+    assert r.rc == 1 and "No such file or directory" in r.stderr, r
+    assert senv.head("v") == before
+    senv.wait_clean()

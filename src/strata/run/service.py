@@ -147,6 +147,7 @@ def _preload() -> None:
     import strata.run.runner
     import strata.run.sandbox
     import strata.server.client  # noqa: F401
+    strata.run.sandbox.pdeathsig_wrapper()  # asked once here, not by every worker
     # What is loaded now is never freed: keep the collector off those pages, so a
     # forked worker does not copy them by touching their headers.
     gc.collect()

@@ -186,3 +186,15 @@ def test_a_command_that_cannot_run_is_an_error_and_publishes_nothing(senv: StepE
     assert r.rc == 1 and "No such file or directory" in r.stderr, r
     assert senv.head("v") == before
     senv.wait_clean()
+
+
+def test_ctrl_c_of_the_client_publishes_nothing(senv: StepEnv) -> None:
+    """SIGINT reaches only `strata run` (the command is in the service's session)."""
+    before = senv.head("v")
+    p, pid = _start_and_wait_running(senv)
+    p.send_signal(signal.SIGINT)
+    r = finish(p, 30)
+    assert r.rc == 130 and "interrupted" in r.stderr, r
+    assert wait_for(lambda: not pid_alive(pid), 5.0), "the command outlived its client"
+    senv.wait_clean(5.0)
+    assert senv.head("v") == before and senv.ls("v") == []

@@ -176,7 +176,8 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
     store = RemoteStore(state.server or "", state.extra.get("token"))
     pins = _Pins(store, [(v.volume, v.pinned) for v in state.volumes])
     # A step's runner pins the step's snapshots itself, renews and releases them:
-    # a second set here would only add a request to every step.
+    # a second set here would only add a request to every step. It also measures
+    # the content cache now and then (cache.trim_if_due), not every step's mount.
     own_pins = "run" not in state.extra
     try:
         if own_pins:
@@ -184,7 +185,7 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
         # A server on this machine keeps the bytes on this disk already: streamed reads
         # of large files skip the content cache (see mount/readahead.py).
         fs = SnapshotFS([Volume(v.name or v.volume, store, v.pinned) for v in state.volumes],
-                        ContentCache(), single=state.single,
+                        ContentCache(measure=own_pins), single=state.single,
                         cache_streams=store.kind != "unix")
     except StrataError as exc:
         os.write(wfd, str(exc).encode())

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from strata.engine.errors import Conflict, Expired, StrataError, Unavailable
 from strata.engine.interface import ChangeSet, Store
+from strata.mount.cache import trim_if_due
 from strata.mount.session import (
     MountState,
     VolumeState,
@@ -248,6 +249,9 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         leases.release()
         if state is not None:
             shutil.rmtree(state.scratch, ignore_errors=True)
+            # Step mounts do not measure the content cache: keep it bounded from here.
+            with contextlib.suppress(OSError):
+                trim_if_due()
 
 
 def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,

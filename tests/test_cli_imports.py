@@ -97,7 +97,7 @@ def test_ls_import_budget(store: Path) -> None:
 RUN_FORBIDDEN = tuple(f for f in FORBIDDEN if f != "strata.run") + (
     "strata.run.runner", "strata.run.service", "strata.run.sandbox", "strata.run.spec",
     "strata.server.client", "strata.server.wire", "strata.engine.objects",
-    "strata.engine.tree", "msgpack", "blake3", "ctypes", "threading")
+    "strata.engine.tree", "msgpack", "blake3", "ctypes", "threading", "socket", "selectors")
 RUN_STRATA_MODULES = {
     "strata", "strata.cli", "strata.cli.common", "strata.cli.main", "strata.cli.run",
     "strata.engine", "strata.engine.errors", "strata.engine.names", "strata.run",

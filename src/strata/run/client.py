@@ -9,7 +9,8 @@ terminal or pipes directly, and waits for the answer. The service is started
 here when none answers, as the store's server is.
 
 This module is on the path of every `strata run`, so it imports only the
-standard library's socket layer and the error classes
+interpreter's own `_socket` (the `socket` module around it costs 6 ms of
+imports) and the error classes
 (tests/test_cli_imports.py holds the budget). It never decides anything
 about the step: if this process dies, the service's worker sees its
 connection end and discards the step, as a runner's death always did.
@@ -19,10 +20,10 @@ The wire format is in docs/api.md, "The step service".
 
 from __future__ import annotations
 
+import _socket
 import contextlib
 import json
 import os
-import socket
 import sys
 import time
 from typing import Any
@@ -78,7 +79,7 @@ def frame(doc: dict[str, Any]) -> bytes:
     return len(body).to_bytes(4, "big") + body
 
 
-def read_frame(sock: socket.socket, limit: int) -> dict[str, Any] | None:
+def read_frame(sock: _socket.socket, limit: int) -> dict[str, Any] | None:
     """The next frame's JSON object, or None at a clean end of the stream."""
     head = _recv_exact(sock, 4)
     if head is None:
@@ -95,7 +96,7 @@ def read_frame(sock: socket.socket, limit: int) -> dict[str, Any] | None:
     return doc
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+def _recv_exact(sock: _socket.socket, n: int) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(min(n - len(buf), 1 << 20))
@@ -133,7 +134,10 @@ def run_step(store: str, request: dict[str, Any]) -> dict[str, Any]:
                 # Never shut the writing side: its end is how the worker learns
                 # that this process died.
                 with contextlib.suppress(OSError):  # a refusal may close it early: read it
-                    sent = socket.send_fds(sock, [data], fds)
+                    sent = sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,
+                                                  b"".join(fd.to_bytes(4, sys.byteorder,
+                                                                       signed=True)
+                                                           for fd in fds))])
                     if sent < len(data):
                         sock.sendall(data[sent:])
                 answer = _answer(sock)
@@ -148,7 +152,7 @@ def run_step(store: str, request: dict[str, Any]) -> dict[str, Any]:
             os.close(fd)
 
 
-def _answer(sock: socket.socket) -> dict[str, Any] | None:
+def _answer(sock: _socket.socket) -> dict[str, Any] | None:
     """The step's result; None if the service never accepted the request."""
     accepted = publishing = False
     sock.settimeout(ACCEPT_TIMEOUT)  # a service that never answers did nothing yet
@@ -183,7 +187,7 @@ def _answer(sock: socket.socket) -> dict[str, Any] | None:
             raise exc
 
 
-def _connect(store: str) -> socket.socket:
+def _connect(store: str) -> _socket.socket:
     """A connection to the store's step service, starting one if none answers."""
     path = socket_path(store)
     sock = _try_connect(path)
@@ -200,8 +204,8 @@ def _connect(store: str) -> socket.socket:
                       f"(see {os.path.join(store, LOG_NAME)})")
 
 
-def _try_connect(path: str) -> socket.socket | None:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def _try_connect(path: str) -> _socket.socket | None:
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         sock.connect(path)
     except OSError:

@@ -123,6 +123,33 @@ def test_run_import_budget(store: Path, tmp_path: Path) -> None:
     assert len(mods) <= LS_MODULE_BUDGET, sorted(mods)
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                    reason="mounts need root and /dev/fuse")
+def test_background_mount_import_budget(store: Path, tmp_path: Path) -> None:
+    """`strata mount --background` asks the step service too: the same thin client."""
+    env = {**_env(store), "STRATA_SCRATCH": str(tmp_path / "scratch"),
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    first, second = tmp_path / "m1", tmp_path / "m2"
+    first.mkdir()
+    second.mkdir()
+    strata = [sys.executable, "-m", "strata"]
+    try:
+        warm = subprocess.run([*strata, "mount", "v", str(first), "--background"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert warm.returncode == 0, warm.stderr
+        mods, out = _imported(["mount", "v", str(second), "--background"], env)
+        assert out == f"mounted {second}\n"
+        assert os.listdir(second) == ["dir"]
+    finally:
+        for m in (first, second):
+            subprocess.run([*strata, "unmount", str(m), "--discard"], env=env,
+                           capture_output=True, timeout=120)
+    assert _forbidden_in(mods, RUN_FORBIDDEN) == []
+    allowed = RUN_STRATA_MODULES - {"strata.cli.run"} | {"strata.cli.mount"}
+    assert {m for m in mods if m.split(".")[0] == "strata"} <= allowed, sorted(
+        {m for m in mods if m.startswith("strata")} - allowed)
+
+
 def _forbidden_in(mods: set[str], forbidden: tuple[str, ...]) -> list[str]:
     return sorted(m for m in mods if any(m == f or m.startswith(f + ".") for f in forbidden))
 

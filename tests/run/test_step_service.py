@@ -151,6 +151,22 @@ def test_malformed_requests_are_refused_and_the_service_keeps_serving(senv: Step
         answer = _raw(senv, data, fds)
         assert answer is not None and answer["event"] == "error", (data, fds, answer)
         assert answer["code"] == 2
+    target = senv.root / "mnt"
+    target.mkdir()
+    mount = {"v": client.PROTOCOL, "op": "mount", "refs": [["", "v", "live", None, False]],
+             "target": str(target), "ro": False, "single": True,
+             "env": {"PATH": os.environ["PATH"]}, "cwd": "/", "umask": 0o22}
+    ref = ["", "v", "live", None, False]
+    for change in [
+        {"op": "dance"}, {"refs": []}, {"refs": [["", "v", None, None, False]]},
+        {"refs": [["", "v", "live", "deadbeef", False]]}, {"refs": [["../x", *ref[1:]]]},
+        {"refs": [["", "v", "live", None, "no"]]}, {"refs": [ref, ref]}, {"refs": "v"},
+        {"refs": [["", "v", "live", "zz", False]]}, {"target": "relative"},
+        {"target": str(senv.root / "missing")}, {"single": "yes"}, {"argv": ["true"]},
+    ]:
+        answer = _raw(senv, client.frame({**mount, **change}))
+        assert answer is not None and answer["event"] == "error", (change, answer)
+    assert not os.path.ismount(target)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # connects, says nothing
     sock.connect(client.socket_path(str(senv.store)))
     sock.close()

@@ -98,7 +98,7 @@ def _via_service(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     store = os.path.abspath(store_path(args))
     if not client.server_answers(store):
         ensure_server(store)
-    return client.run_step(store, {
+    return client.call(store, {
         "argv": argv, "specs": list(args.specs), "sandbox": args.sandbox,
         "timeout": args.timeout, "memory": args.memory, "network": args.network,
         "message": args.message, "identical": args.merge_identical})

@@ -89,26 +89,30 @@ class Prepared:
             if not message:
                 code = 0  # the runner gave up, or died
                 return
-            scratch, _, env = message.partition(b"\0")
-            if env:
+            scratch, _, extra = message.partition(b"\0")
+            how = json.loads(extra) if extra else {}
+            if how.get("env") is not None:
                 os.environ.clear()
-                os.environ.update(json.loads(env))
+                os.environ.update(how["env"])
             state = MountState.load(os.fsdecode(scratch))
             _log_to(state)
-            _serve(state, wfd, background=True, watch_pid=watch_pid, announce=False)
+            _serve(state, wfd, background=True, announce=False,
+                   watch_pid=watch_pid if how.get("watch", True) else None)
         finally:
             os._exit(code)
 
-    def go(self, state: MountState, env: dict[str, str] | None = None) -> str | None:
+    def go(self, state: MountState, env: dict[str, str] | None = None, *,
+           watch: bool = True) -> str | None:
         """Mount `state`; None once ready, else the error message.
 
         `env` replaces the mount process's environment first (the step
         service forks it before it knows its client's, which names the
-        content cache).
+        content cache). Without `watch` the mount outlives the process that
+        forked it (`strata mount --background` made by the step service).
         """
         message = os.fsencode(state.scratch)
-        if env is not None:
-            message += b"\0" + json.dumps(env).encode()
+        if env is not None or not watch:
+            message += b"\0" + json.dumps({"env": env, "watch": watch}).encode()
         _write_all(self._cmd, message)
         os.close(self._cmd)
         self._cmd = -1

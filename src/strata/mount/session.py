@@ -24,7 +24,7 @@ from typing import Any
 
 import blake3
 
-from strata.engine.errors import NotFound
+from strata.engine.errors import InvalidInput, NotFound
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.objects import K_DIR, Entry, FileNode, packb
 from strata.engine.tree import Trees, encode_name
@@ -133,6 +133,40 @@ def new_state(mountpoint: str, server: str | None, volumes: list[VolumeState],
     if save:
         state.save()
     return state
+
+
+@dataclass(frozen=True)
+class MountRef:
+    """One REF of `strata mount`, parsed: NAME=VOLUME[@BRANCH|#SNAPSHOT][:ro]."""
+
+    name: str             # the subdirectory asked for ("" for the volume's name)
+    volume: str
+    branch: str | None    # None: a snapshot
+    snapshot: str | None  # a snapshot id or unique prefix
+    ro: bool = False
+
+
+def mount_volumes(store: Any, refs: list[MountRef], *, ro: bool, single: bool
+                  ) -> list[VolumeState]:
+    """What each REF mounts, resolved to snapshots now (`store` is a RemoteStore)."""
+    scope = store.whoami()
+    vols: list[VolumeState] = []
+    for ref in refs:
+        readonly = ro or ref.ro or not scope.get("writable", True)
+        if ref.branch is None and not readonly:
+            raise InvalidInput(f"{ref.volume}#{ref.snapshot}: a writable mount needs a branch "
+                               "(VOLUME or VOLUME@BRANCH); add :ro or --ro to mount a snapshot")
+        if ref.snapshot is not None:
+            store.list_branches(ref.volume)  # the volume must exist
+            sid = store.find_snapshot(ref.snapshot)
+        else:
+            sid = store.head(ref.volume, ref.branch or "live")
+        label = "" if single else (ref.name or ref.volume)
+        if not single and label in {v.name for v in vols}:
+            raise InvalidInput(f"two volumes would appear as {label!r}; name them NAME=REF")
+        vols.append(VolumeState(label, ref.volume, ref.branch or "", sid, sid,
+                                readonly=readonly))
+    return vols
 
 
 def find_mount(mountpoint: str) -> MountState:

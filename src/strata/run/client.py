@@ -39,6 +39,7 @@ MAX_REQUEST = 1 << 20   # bytes of one request body (argv, environment, specs)
 MAX_ANSWER = 64 << 20   # bytes of one answer body (a conflict names every path)
 START_TIMEOUT = 15.0
 ACCEPT_TIMEOUT = 10.0
+MOUNT_KEYS = {"mountpoint"}
 RESULT_KEYS = {"run", "status", "published", "conflicts", "rejected", "timed_out", "oom",
                "timings"}
 
@@ -108,8 +109,11 @@ def _recv_exact(sock: _socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def run_step(store: str, request: dict[str, Any]) -> dict[str, Any]:
-    """Run the step through the service; its result document (StepResult.to_json).
+def call(store: str, request: dict[str, Any], *, kind: str = "step") -> dict[str, Any]:
+    """Run the step (or, with kind "mount", make the mount) through the service.
+
+    Returns the result document: StepResult.to_json for a step,
+    {"mountpoint"} for a mount.
 
     Raises the service's error as a StrataError with its exit code, and
     ServiceDied when the worker went away after accepting the step. A worker
@@ -120,7 +124,11 @@ def run_step(store: str, request: dict[str, Any]) -> dict[str, Any]:
     if not os.path.exists(os.path.join(store, "STRATA")):
         from strata.engine.errors import NotFound
         raise NotFound(f"no strata store at {store} (run 'strata init')")
-    request = {"v": PROTOCOL, "cwd": os.getcwd(), "umask": _umask(),
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        cwd = "/"  # removed under us; the command runs in the volumes' directory anyway
+    request = {"v": PROTOCOL, "cwd": cwd, "umask": _umask(),
                "env": dict(os.environ), **request}
     data = frame(request)
     if len(data) - 4 > MAX_REQUEST:
@@ -140,7 +148,7 @@ def run_step(store: str, request: dict[str, Any]) -> dict[str, Any]:
                                                            for fd in fds))])
                     if sent < len(data):
                         sock.sendall(data[sent:])
-                answer = _answer(sock)
+                answer = _answer(sock, kind)
             finally:
                 sock.close()
             if answer is not None:
@@ -152,8 +160,9 @@ def run_step(store: str, request: dict[str, Any]) -> dict[str, Any]:
             os.close(fd)
 
 
-def _answer(sock: _socket.socket) -> dict[str, Any] | None:
+def _answer(sock: _socket.socket, kind: str) -> dict[str, Any] | None:
     """The step's result; None if the service never accepted the request."""
+    keys = RESULT_KEYS if kind == "step" else MOUNT_KEYS
     accepted = publishing = False
     sock.settimeout(ACCEPT_TIMEOUT)  # a service that never answers did nothing yet
     while True:
@@ -164,6 +173,9 @@ def _answer(sock: _socket.socket) -> dict[str, Any] | None:
         if doc is None:
             if not accepted:
                 return None
+            if kind == "mount":
+                raise ServiceDied("the step service died while making the mount: it may "
+                                  "or may not be there (see 'strata status DIR')")
             if publishing:
                 raise ServiceDied("the step service died while publishing the step: it may "
                                   "or may not have been published (see 'strata log')")
@@ -177,7 +189,7 @@ def _answer(sock: _socket.socket) -> dict[str, Any] | None:
             publishing = True
         elif event == "result":
             result = doc.get("result")
-            if not isinstance(result, dict) or not RESULT_KEYS <= set(result):
+            if not isinstance(result, dict) or not keys <= set(result):
                 raise ServiceDied("the step service sent a malformed result")
             return result
         elif event == "error":

@@ -326,6 +326,8 @@ def _worker(listener: socket.socket, took: int, service: int, store: str, block:
             _send(conn, {"event": "error", "code": 2, "message": f"bad request: {exc}"})
             return 1
         conn.settimeout(None)
+        if step["op"] == "mount":
+            return _mount(conn, step, store, mounter)
         return _run(conn, step, fds, store, mounter, block)
     finally:
         mounter.cancel()
@@ -383,11 +385,17 @@ def _check(raw: Any) -> dict[str, Any]:
     if raw.get("v") != PROTOCOL:
         raise Refused(f"protocol version {raw.get('v')!r}; this service speaks {PROTOCOL} "
                       "(stop it with 'strata serve --stop' after an upgrade)", 1)
-    known = {"v", "argv", "specs", "sandbox", "timeout", "memory", "network", "message",
+    op = raw.get("op", "step")
+    if op == "mount":
+        return _check_mount(raw)
+    if op != "step":
+        raise Refused(f"op must be 'step' or 'mount', not {op!r}")
+    known = {"v", "op", "argv", "specs", "sandbox", "timeout", "memory", "network", "message",
              "identical", "env", "cwd", "umask"}
     extra = set(raw) - known
     if extra:
         raise Refused(f"unknown request fields {sorted(extra)}")
+    _check_common(raw)
     argv = raw.get("argv")
     if (not isinstance(argv, list) or not 0 < len(argv) <= MAX_ARGS
             or not all(isinstance(a, str) and "\0" not in a for a in argv)):
@@ -419,6 +427,11 @@ def _check(raw: Any) -> dict[str, Any]:
     message = raw.get("message")
     if message is not None and not isinstance(message, str):
         raise Refused("message must be a string or null")
+    return {**raw, "op": "step", "specs": specs}
+
+
+def _check_common(raw: dict[str, Any]) -> None:
+    """The fields every request has: the client's environment, directory and umask."""
     env = raw.get("env")
     if (not isinstance(env, dict) or len(env) > MAX_ENV
             or not all(isinstance(k, str) and isinstance(v, str) and k and "=" not in k
@@ -430,7 +443,50 @@ def _check(raw: Any) -> dict[str, Any]:
     umask = raw.get("umask")
     if isinstance(umask, bool) or not isinstance(umask, int) or not 0 <= umask <= 0o777:
         raise Refused("umask must be an integer from 0 to 0o777")
-    return {**raw, "specs": specs}
+
+
+def _check_mount(raw: dict[str, Any]) -> dict[str, Any]:
+    """A `mount --background` request: REFs as [name, volume, branch, snapshot, ro]."""
+    from strata.engine.names import check_branch, check_hex_id, check_volume
+    from strata.mount.session import MountRef
+    known = {"v", "op", "refs", "target", "ro", "single", "env", "cwd", "umask"}
+    extra = set(raw) - known
+    if extra:
+        raise Refused(f"unknown request fields {sorted(extra)}")
+    _check_common(raw)
+    for name in ("ro", "single"):
+        if not isinstance(raw.get(name), bool):
+            raise Refused(f"{name} must be true or false")
+    target = raw.get("target")
+    if (not isinstance(target, str) or not target.startswith("/") or "\0" in target
+            or not os.path.isdir(target)):
+        raise Refused("target must be the absolute path of a directory")
+    items = raw.get("refs")
+    if not isinstance(items, list) or not 0 < len(items) <= MAX_SPECS:
+        raise Refused(f"refs must list 1 to {MAX_SPECS} refs")
+    if raw["single"] and len(items) != 1:
+        raise Refused("a single-volume mount has one ref")
+    refs = []
+    for item in items:
+        if (not isinstance(item, list) or len(item) != 5 or not isinstance(item[0], str)
+                or not isinstance(item[1], str) or not isinstance(item[4], bool)
+                or not all(x is None or isinstance(x, str) for x in item[2:4])
+                or (item[2] is None) == (item[3] is None)):
+            raise Refused("a ref is [name, volume, branch or null, snapshot or null, ro], "
+                          "with a branch or a snapshot")
+        name, volume, branch, snapshot, ro = item
+        try:
+            if name:
+                check_volume(name)  # a directory name in the mount: the same rules
+            check_volume(volume)
+            if branch is not None:
+                check_branch(branch)
+            if snapshot is not None:
+                check_hex_id(snapshot, min_len=8)
+        except InvalidInput as exc:
+            raise Refused(str(exc)) from None
+        refs.append(MountRef(name, volume, branch, snapshot, ro))
+    return {**raw, "op": "mount", "refs": refs}
 
 
 def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: str,
@@ -491,6 +547,51 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
     finally:
         with contextlib.suppress(Exception):
             store.close()
+    return 0
+
+
+def _mount(conn: socket.socket, req: dict[str, Any], store_dir: str, mounter: Prepared) -> int:
+    """Make a background mount with the pre-forked mount process; answer its mount point.
+
+    Unlike a step, the mount outlives this worker, the client and the
+    service (its process watches nobody), as a `strata mount --background`
+    made in the CLI's own process does; so this worker finishes what it
+    began even if its client goes away.
+    """
+    from strata.mount.session import mount_volumes, new_state
+    from strata.server.client import RemoteStore, default_socket
+    if not _send(conn, {"event": "accepted"}):
+        return 1
+    os.umask(req["umask"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    with contextlib.suppress(OSError):
+        os.chdir(req["cwd"])
+    url = "unix:" + default_socket(store_dir)
+    try:
+        if os.listdir(req["target"]):
+            raise InvalidInput(f"{req['target']} is not empty")
+        store = RemoteStore(url)
+        try:
+            vols = mount_volumes(store, req["refs"], ro=req["ro"], single=req["single"])
+        finally:
+            store.close()
+        state = new_state(req["target"], url, vols, single=req["single"])
+        # As cmd_mount: the mount keeps the store's server from idling, and commit,
+        # status and unmount start it again if it is gone.
+        state.extra["store"] = store_dir
+        idle = float(os.environ.get("STRATA_SERVER_IDLE_EXIT", "300") or 300)
+        state.extra["keepalive"] = max(min(idle / 3, 60.0), 0.5)
+        state.save()
+        error = mounter.go(state, dict(os.environ), watch=False)
+    except (StrataError, OSError, ValueError) as exc:
+        code = exc.exit_code if isinstance(exc, StrataError) else 1
+        _send(conn, {"event": "error", "code": code, "message": str(exc)})
+        return 1
+    if error is not None:
+        _send(conn, {"event": "error", "code": 1, "message": error})
+        return 1
+    _send(conn, {"event": "result", "result": {"mountpoint": state.mountpoint}})
     return 0
 
 

@@ -418,25 +418,37 @@ def _run_all(env: Env, quick: bool) -> list[dict[str, Any]]:
 
     # Mount a 100k-file volume and list its root.
     _log("mount 100k")
-    cli_times, lib_times, fetched_objs = [], [], []
+    cli_times, old_times, lib_times, fetched_objs = [], [], [], []
     for i in range(3):
         before = env.stats()
         target = os.path.join(env.root, "mnt", f"big{i}")
         t0 = time.perf_counter()
         env.mounts.append(target)
         os.makedirs(target)
-        env.cli("mount", "big", target, "--background")
+        env.cli("mount", "big", target, "--background")  # made by the step service
         os.listdir(target)
         cli_times.append(time.perf_counter() - t0)
         fetched_objs.append(env.stats()["objects_served"] - before["objects_served"])
         env.unmount(target)
+        # The same with the mount process forked by the CLI itself, as before the service.
+        target = os.path.join(env.root, "mnt", f"old{i}")
+        os.makedirs(target)
+        env.mounts.append(target)
+        t0 = time.perf_counter()
+        subprocess.run([*STRATA, "mount", "big", target, "--background"], check=True,
+                       env={**env.env, "STRATA_MOUNT_IN_PROCESS": "1"}, capture_output=True)
+        os.listdir(target)
+        old_times.append(time.perf_counter() - t0)
+        env.unmount(target)
         lib_times.append(_mount_in_process(env, "big", f"lib{i}"))
         env.unmount(os.path.join(env.root, "mnt", f"lib{i}"))
-    cli_t, lib_t = sorted(cli_times)[1], sorted(lib_times)[1]
+    cli_t, old_t, lib_t = sorted(cli_times)[1], sorted(old_times)[1], sorted(lib_times)[1]
     rows.append(row(f"mount {n_big // 1000}k-file volume + list root (CLI)", cli_t, "s", None,
-                    f"{max(fetched_objs)} objects fetched", "<= 0.2 s", met=cli_t <= 0.2))
+                    f"{max(fetched_objs)} objects fetched", "<= 0.1 s", met=cli_t <= 0.1))
+    rows.append(row("  same, mount process forked by the CLI (as before the step service)",
+                    old_t, "s", None, "", "<= 0.1 s", met=old_t <= 0.1))
     rows.append(row("  same, in-process (no interpreter start)", lib_t, "s", None, "",
-                    "<= 0.2 s", met=lib_t <= 0.2))
+                    "<= 0.1 s", met=lib_t <= 0.1))
     return rows
 
 

@@ -138,6 +138,71 @@ def test_ls_import_budget(store: Path) -> None:
     assert len(mods) <= LS_MODULE_BUDGET, sorted(mods)
 
 
+# `strata run` hands the step to the step service (run/service.py): the client imports
+# only the thin side (run/client.py), none of the runner, the mount or the store client.
+RUN_FORBIDDEN = tuple(f for f in FORBIDDEN if f != "strata.run") + (
+    "strata.run.runner", "strata.run.service", "strata.run.sandbox", "strata.run.spec",
+    "strata.server.client", "strata.server.wire", "strata.engine.objects",
+    "strata.engine.tree", "msgpack", "blake3", "ctypes", "threading", "socket", "selectors")
+RUN_STRATA_MODULES = {
+    "strata", "strata.cli", "strata.cli.common", "strata.cli.main", "strata.cli.run",
+    # The parser and display helpers `strata.cli.main` used to hold (split out so
+    # that `strata ls` can skip them), and the entry kinds they name.
+    "strata.cli.parser", "strata.cli.show", "strata.engine.kinds",
+    "strata.engine", "strata.engine.errors", "strata.engine.names", "strata.run",
+    "strata.run.client",
+}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                    reason="steps need root and /dev/fuse")
+def test_run_import_budget(store: Path, tmp_path: Path) -> None:
+    env = {**_env(store), "STRATA_SCRATCH": str(tmp_path / "scratch"),
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    # Without a sandbox the command runs in the directory holding the volumes.
+    argv = ["run", "--sandbox", "none", "-v", "v", "--", "cat", "v/dir/a.txt"]
+    warm = subprocess.run([sys.executable, "-m", "strata", *argv], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert warm.returncode == 0, warm.stderr  # the service is running from here on
+    mods, out = _imported(argv, env)
+    assert out == "hello\n"
+    assert _forbidden_in(mods, RUN_FORBIDDEN) == []
+    assert {m for m in mods if m.split(".")[0] == "strata"} <= RUN_STRATA_MODULES, sorted(
+        {m for m in mods if m.startswith("strata")} - RUN_STRATA_MODULES)
+    assert len(mods) <= LS_MODULE_BUDGET, sorted(mods)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
+                    reason="mounts need root and /dev/fuse")
+def test_background_mount_import_budget(store: Path, tmp_path: Path) -> None:
+    """`strata mount --background` asks the step service too: the same thin client."""
+    env = {**_env(store), "STRATA_SCRATCH": str(tmp_path / "scratch"),
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    first, second = tmp_path / "m1", tmp_path / "m2"
+    first.mkdir()
+    second.mkdir()
+    strata = [sys.executable, "-m", "strata"]
+    try:
+        warm = subprocess.run([*strata, "mount", "v", str(first), "--background"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert warm.returncode == 0, warm.stderr
+        mods, out = _imported(["mount", "v", str(second), "--background"], env)
+        assert out == f"mounted {second}\n"
+        assert os.listdir(second) == ["dir"]
+    finally:
+        for m in (first, second):
+            subprocess.run([*strata, "unmount", str(m), "--discard"], env=env,
+                           capture_output=True, timeout=120)
+    assert _forbidden_in(mods, RUN_FORBIDDEN) == []
+    allowed = RUN_STRATA_MODULES - {"strata.cli.run"} | {"strata.cli.mount"}
+    assert {m for m in mods if m.split(".")[0] == "strata"} <= allowed, sorted(
+        {m for m in mods if m.startswith("strata")} - allowed)
+
+
+def _forbidden_in(mods: set[str], forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in mods if any(m == f or m.startswith(f + ".") for f in forbidden))
+
+
 def test_ls_long_and_subdir_stay_in_budget(store: Path) -> None:
     mods, out = _imported([*_ordinary(store), "ls", "-l", "v", "dir"], _env(store))
     assert out.rstrip().endswith(" a.txt")

@@ -84,35 +84,43 @@ def _store_for(args: argparse.Namespace, state: Any) -> Iterator[Store]:
         yield s
 
 
+RefParts = tuple[str, str, "str | None", "str | None", bool]
+
+
+def _mount_refs(args: argparse.Namespace) -> list[RefParts]:
+    """The REFs, [NAME=]REF[:ro|:rw], parsed without the store.
+
+    As (name, volume, branch, snapshot, ro): mount/session.py's MountRef.
+    """
+    refs: list[RefParts] = []
+    for text in args.refs:
+        name, sep, spec = text.partition("=")
+        if not sep:
+            name, spec = "", text
+        ro = False
+        if spec.endswith(":ro"):
+            spec, ro = spec[:-3], True
+        elif spec.endswith(":rw"):
+            spec = spec[:-3]
+        ref = parse_ref(spec)
+        refs.append((name, ref.volume, ref.branch, ref.snapshot, ro))
+    return refs
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
-    from strata.mount.session import VolumeState, new_state
     target = os.path.abspath(args.dir)
     if not os.path.isdir(target):
         raise InvalidInput(f"{args.dir} is not a directory")
     if os.listdir(target):
         raise InvalidInput(f"{args.dir} is not empty")
     single = len(args.refs) == 1 and not args.multi
-    vols: list[VolumeState] = []
+    if (args.background and server_url(args) is None
+            and os.environ.get("STRATA_MOUNT_IN_PROCESS") != "1"):
+        return _mount_via_service(args, target, single)
+    from strata.mount.session import MountRef, mount_volumes, new_state
+    refs = [MountRef(*r) for r in _mount_refs(args)]
     with open_remote(args) as store:
-        scope = store.whoami()
-        for text in args.refs:
-            name, sep, spec = text.partition("=")
-            if not sep:
-                name, spec = "", text
-            ro = args.ro or not scope.get("writable", True)
-            if spec.endswith(":ro"):
-                spec, ro = spec[:-3], True
-            elif spec.endswith(":rw"):
-                spec = spec[:-3]
-            ref = parse_ref(spec)
-            if ref.branch is None and not ro:
-                raise InvalidInput(f"{spec!r}: a writable mount needs a branch (VOLUME or "
-                                   "VOLUME@BRANCH); add :ro or --ro to mount a snapshot")
-            sid = ref.resolve(store)
-            label = "" if single else (name or ref.volume)
-            if not single and label in {v.name for v in vols}:
-                raise InvalidInput(f"two volumes would appear as {label!r}; name them NAME=REF")
-            vols.append(VolumeState(label, ref.volume, ref.branch or "", sid, sid, readonly=ro))
+        vols = mount_volumes(store, refs, ro=args.ro, single=single)
         url, token = store.url, store.token
     state = new_state(target, url, vols, single=single)
     state.extra["token"] = token
@@ -125,6 +133,23 @@ def cmd_mount(args: argparse.Namespace) -> int:
         state.extra["keepalive"] = max(min(idle / 3, 60.0), 0.5)
     state.save()
     return serve_mount(state, background=args.background)
+
+
+def _mount_via_service(args: argparse.Namespace, target: str, single: bool) -> int:
+    """`mount --background`, made by the store's step service (run/service.py).
+
+    Its mount processes are forked ahead with pyfuse3 and trio loaded, so
+    this process only asks and waits.
+    """
+    from strata.run import client
+    refs = [list(r) for r in _mount_refs(args)]
+    store = os.path.abspath(store_path(args))
+    if not client.server_answers(store):
+        ensure_server(store)
+    result = client.call(store, {"op": "mount", "refs": refs, "target": target,
+                                     "ro": args.ro, "single": single}, kind="mount")
+    print(f"mounted {result['mountpoint']}")
+    return 0
 
 
 def serve_mount(state: Any, *, background: bool) -> int:

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
-from strata.cli.common import open_remote, parse_size, print_json, quote_path
+from strata.cli.common import (
+    ensure_server,
+    open_remote,
+    parse_size,
+    print_json,
+    quote_path,
+    server_url,
+    store_path,
+)
 from strata.engine.errors import InvalidInput
 
 
@@ -66,11 +75,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InvalidInput("no command given (strata run -v VOL -- CMD ...)")
     if args.root is not None:
         return _run_root(args, argv)
+    if server_url(args) is None and os.environ.get("STRATA_RUN_IN_PROCESS") != "1":
+        return _report(args, _via_service(args, argv))
     return _run(args, argv)
 
 
 def _run(args: argparse.Namespace, argv: list[str], root: tuple[str, str] | None = None
          ) -> int:
+    """The step in this process (a workspace root, --server, or STRATA_RUN_IN_PROCESS=1)."""
     from strata.run.runner import run_step
     from strata.run.spec import parse_spec
     specs = [parse_spec(s) for s in args.specs]
@@ -82,18 +94,40 @@ def _run(args: argparse.Namespace, argv: list[str], root: tuple[str, str] | None
         result = run_step(store, specs, argv, sandbox=args.sandbox, timeout=args.timeout,
                           memory=args.memory, network=args.network, message=args.message,
                           identical=args.merge_identical, root=root)
+    return _report(args, result.to_json())
+
+
+def _via_service(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """The step, run by the store's step service (run/service.py).
+
+    The service has the mount stack loaded already; this process only passes
+    its stdio and waits.
+    """
+    from strata.run import client
+    store = os.path.abspath(store_path(args))
+    if not client.server_answers(store):
+        ensure_server(store)
+    return client.call(store, {
+        "argv": argv, "specs": list(args.specs), "sandbox": args.sandbox,
+        "timeout": args.timeout, "memory": args.memory, "network": args.network,
+        "message": args.message, "identical": args.merge_identical})
+
+
+def _report(args: argparse.Namespace, result: dict[str, Any]) -> int:
+    """Print a step's result (StepResult.to_json) as the CLI shows it; its exit status."""
     if args.json:
-        print_json({"status": result.status, "published": result.published,
-                    "conflicts": result.conflicts, "run": result.run_id,
-                    "rejected": result.rejected, "timed_out": result.timed_out,
-                    "oom": result.oom, "timings": result.timings})
-    elif result.conflicts:
-        print(f"strata: error: conflict: {len(result.conflicts)} path(s) changed since the step "
-              f"began; nothing was published (kept on rejected/{result.run_id})",
+        print_json({"status": result["status"], "published": result["published"],
+                    "conflicts": result["conflicts"], "run": result["run"],
+                    "rejected": result["rejected"], "timed_out": result["timed_out"],
+                    "oom": result["oom"], "timings": result["timings"]})
+    elif result["conflicts"]:
+        print(f"strata: error: conflict: {len(result['conflicts'])} path(s) changed since the "
+              f"step began; nothing was published (kept on rejected/{result['run']})",
               file=sys.stderr)
-        for path in result.conflicts:
+        for path in result["conflicts"]:
             print(quote_path(path), file=sys.stderr)
-    elif result.timed_out:
+    elif result["timed_out"]:
         print(f"strata: step timed out after {args.timeout:g}s; nothing was published",
               file=sys.stderr)
-    return result.status
+    status: int = result["status"]
+    return status

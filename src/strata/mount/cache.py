@@ -25,16 +25,53 @@ def default_cache_dir() -> str:
     return os.path.join(base, "strata", "objects")
 
 
+TRIM_EVERY = 600.0  # seconds between the measurements `trim_if_due` makes
+
+
+def trim_if_due(path: str | None = None, every: float = TRIM_EVERY,
+                limit: int = DEFAULT_LIMIT) -> bool:
+    """Measure the cache and evict past its limit, unless that was done in the last `every` s.
+
+    For steps: each step's mount lives for a moment and is made without
+    measuring (`measure=False`), since walking a large cache on every step
+    would cost more than the step. The runner calls this after each step
+    instead; the walk happens at most once per `every` seconds per cache (a
+    stamp file beside it says when). Returns True if it measured.
+    """
+    path = path or default_cache_dir()
+    stamp = path.rstrip("/") + ".measured"
+    try:
+        if time.time() - os.stat(stamp).st_mtime < every:
+            return False
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    try:
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        with open(stamp, "a"):
+            pass
+        os.utime(stamp)  # first: concurrent steps leave the walk to one of them
+    except OSError:
+        return False
+    cache = ContentCache(path, limit, measure=False)
+    cache._init_size()
+    return True
+
+
 class ContentCache:
-    def __init__(self, path: str | None = None, limit: int = DEFAULT_LIMIT) -> None:
+    def __init__(self, path: str | None = None, limit: int = DEFAULT_LIMIT, *,
+                 measure: bool = True) -> None:
         self.path = path or default_cache_dir()
         self.limit = limit
         os.makedirs(self.path, exist_ok=True)
         self._lock = threading.Lock()
         self._size = 0
         self._dirs: set[str] = set()  # fan-out directories known to exist
-        # Measuring a large cache walks every file: do it off the mount's start path.
-        threading.Thread(target=self._init_size, daemon=True).start()
+        # Measuring a large cache walks every file: do it off the mount's start path
+        # (and, with measure=False, not at all: see trim_if_due).
+        if measure:
+            threading.Thread(target=self._init_size, daemon=True).start()
         self.hits = 0
         self.misses = 0
         self.fetched_bytes = 0

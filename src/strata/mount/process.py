@@ -60,7 +60,10 @@ class Prepared:
     when the runner closes it or dies (`cancel`, or the kernel closing it).
     """
 
-    def __init__(self, watch_pid: int) -> None:
+    def __init__(self, watch_pid: int, close: tuple[int, ...] = ()) -> None:
+        # `close`: descriptors of the caller's that the mount process must not keep
+        # open (the step service's connection to its client: its end tells the
+        # client the step is over).
         cmd_r, self._cmd = os.pipe()
         self._ready, wfd = os.pipe()
         pid = os.fork()
@@ -74,24 +77,43 @@ class Prepared:
         try:
             os.close(self._cmd)
             os.close(self._ready)
+            for fd in close:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             os.setsid()
             if os.fork():
                 code = 0
                 return
             _load_fuse_stack()
-            scratch = _read_all(cmd_r)
-            if not scratch:
+            message = _read_all(cmd_r)
+            if not message:
                 code = 0  # the runner gave up, or died
                 return
+            scratch, _, extra = message.partition(b"\0")
+            how = json.loads(extra) if extra else {}
+            if how.get("env") is not None:
+                os.environ.clear()
+                os.environ.update(how["env"])
             state = MountState.load(os.fsdecode(scratch))
             _log_to(state)
-            _serve(state, wfd, background=True, watch_pid=watch_pid, announce=False)
+            _serve(state, wfd, background=True, announce=False,
+                   watch_pid=watch_pid if how.get("watch", True) else None)
         finally:
             os._exit(code)
 
-    def go(self, state: MountState) -> str | None:
-        """Mount `state`; None once ready, else the error message."""
-        os.write(self._cmd, os.fsencode(state.scratch))
+    def go(self, state: MountState, env: dict[str, str] | None = None, *,
+           watch: bool = True) -> str | None:
+        """Mount `state`; None once ready, else the error message.
+
+        `env` replaces the mount process's environment first (the step
+        service forks it before it knows its client's, which names the
+        content cache). Without `watch` the mount outlives the process that
+        forked it (`strata mount --background` made by the step service).
+        """
+        message = os.fsencode(state.scratch)
+        if env is not None or not watch:
+            message += b"\0" + json.dumps({"env": env, "watch": watch}).encode()
+        _write_all(self._cmd, message)
         os.close(self._cmd)
         self._cmd = -1
         rfd, self._ready = self._ready, -1
@@ -106,6 +128,12 @@ class Prepared:
 
 def _load_fuse_stack() -> None:
     from strata.mount import fuse, vfs  # noqa: F401
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _read_all(fd: int) -> bytes:
@@ -151,12 +179,17 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
     state.save()
     store = RemoteStore(state.server or "", state.extra.get("token"))
     pins = _Pins(store, [(v.volume, v.pinned) for v in state.volumes])
+    # A step's runner pins the step's snapshots itself, renews and releases them:
+    # a second set here would only add a request to every step. It also measures
+    # the content cache now and then (cache.trim_if_due), not every step's mount.
+    own_pins = "run" not in state.extra
     try:
-        pins.pin()  # garbage collection keeps what the lower view shows while mounted
+        if own_pins:
+            pins.pin()  # garbage collection keeps what the lower view shows while mounted
         # A server on this machine keeps the bytes on this disk already: streamed reads
         # of large files skip the content cache (see mount/readahead.py).
         fs = SnapshotFS([Volume(v.name or v.volume, store, v.pinned) for v in state.volumes],
-                        ContentCache(), single=state.single,
+                        ContentCache(measure=own_pins), single=state.single,
                         cache_streams=store.kind != "unix")
     except StrataError as exc:
         os.write(wfd, str(exc).encode())
@@ -165,7 +198,8 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
         if background:
             os._exit(1)
         return str(exc)
-    threading.Thread(target=pins.renew, daemon=True).start()
+    if own_pins:
+        threading.Thread(target=pins.renew, daemon=True).start()
     if state.extra.get("keepalive"):
         threading.Thread(target=_keep_alive, args=(store, float(state.extra["keepalive"])),
                          daemon=True).start()

@@ -24,7 +24,7 @@ from typing import Any
 
 import blake3
 
-from strata.engine.errors import NotFound
+from strata.engine.errors import InvalidInput, NotFound
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.objects import K_DIR, Entry, FileNode, packb
 from strata.engine.tree import Trees, encode_name
@@ -113,7 +113,12 @@ class MountState:
 
 
 def new_state(mountpoint: str, server: str | None, volumes: list[VolumeState],
-              single: bool, extra: dict[str, Any] | None = None) -> MountState:
+              single: bool, extra: dict[str, Any] | None = None, *,
+              save: bool = True) -> MountState:
+    """A new scratch directory and its state; `save=False` leaves state.json to the caller.
+
+    (A scratch without state.json is never swept: nobody can tell whose it is.)
+    """
     mid = uuid.uuid4().hex[:12]
     root = scratch_root()
     os.makedirs(root, mode=0o700, exist_ok=True)
@@ -125,8 +130,43 @@ def new_state(mountpoint: str, server: str | None, volumes: list[VolumeState],
         os.makedirs(os.path.join(scratch, "work", v.name or "_"), mode=0o700)
     state = MountState(mid, os.path.realpath(mountpoint), scratch, server, volumes, single,
                        os.getpid(), dict(extra or {}))
-    state.save()
+    if save:
+        state.save()
     return state
+
+
+@dataclass(frozen=True)
+class MountRef:
+    """One REF of `strata mount`, parsed: NAME=VOLUME[@BRANCH|#SNAPSHOT][:ro]."""
+
+    name: str             # the subdirectory asked for ("" for the volume's name)
+    volume: str
+    branch: str | None    # None: a snapshot
+    snapshot: str | None  # a snapshot id or unique prefix
+    ro: bool = False
+
+
+def mount_volumes(store: Any, refs: list[MountRef], *, ro: bool, single: bool
+                  ) -> list[VolumeState]:
+    """What each REF mounts, resolved to snapshots now (`store` is a RemoteStore)."""
+    scope = store.whoami()
+    vols: list[VolumeState] = []
+    for ref in refs:
+        readonly = ro or ref.ro or not scope.get("writable", True)
+        if ref.branch is None and not readonly:
+            raise InvalidInput(f"{ref.volume}#{ref.snapshot}: a writable mount needs a branch "
+                               "(VOLUME or VOLUME@BRANCH); add :ro or --ro to mount a snapshot")
+        if ref.snapshot is not None:
+            store.list_branches(ref.volume)  # the volume must exist
+            sid = store.find_snapshot(ref.snapshot)
+        else:
+            sid = store.head(ref.volume, ref.branch or "live")
+        label = "" if single else (ref.name or ref.volume)
+        if not single and label in {v.name for v in vols}:
+            raise InvalidInput(f"two volumes would appear as {label!r}; name them NAME=REF")
+        vols.append(VolumeState(label, ref.volume, ref.branch or "", sid, sid,
+                                readonly=readonly))
+    return vols
 
 
 def find_mount(mountpoint: str) -> MountState:
@@ -333,7 +373,8 @@ def commit(store: Store, state: MountState, *, message: str = "",
             # the state does not name yet, which the next scan ignores.
             statcache.save(state.index(v), volume=v.volume, pinned=v.pinned, base=v.base,
                            stamp_ns=scan.stamp_ns, files=_cache_rows(scan))
-    state.save()
+    if remember:
+        state.save()  # a step's state is dropped with its scratch right after
     return CommitResult(published, sum(len(c) for _v, c, _s in work), sent,
                         time.monotonic() - t0, sum(s.files_hashed for _v, _c, s in work),
                         sum(s.bytes_hashed for _v, _c, s in work))

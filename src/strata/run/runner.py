@@ -15,11 +15,13 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata.engine.errors import Conflict, Expired, StrataError, Unavailable
 from strata.engine.interface import ChangeSet, Store
+from strata.mount.cache import trim_if_due
 from strata.mount.session import (
     MountState,
     VolumeState,
@@ -33,6 +35,9 @@ from strata.mount.session import (
 )
 from strata.run.sandbox import build_command, run_command
 from strata.run.spec import VolumeSpec
+
+if TYPE_CHECKING:
+    from strata.mount.process import Prepared
 
 LEASE_TTL = 15.0
 PIN_TTL = 60.0  # the step's base snapshots, renewed with the leases
@@ -141,8 +146,18 @@ def _pinned_heads(store: Store, specs: list[VolumeSpec], leases: _Leases) -> lis
 def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox: str = "bwrap",
              timeout: float | None = None, memory: int | None = None, network: bool = False,
              lease_wait: float = 600.0, message: str | None = None,
-             identical: bool = False, root: tuple[str, str] | None = None) -> StepResult:
+             identical: bool = False, mounter: Prepared | None = None,
+             mounter_env: bool = False,
+             on_publish: Callable[[], None] | None = None,
+             on_done: Callable[[StepResult], None] | None = None,
+             root: tuple[str, str] | None = None) -> StepResult:
     """Run `argv` as one transaction over `specs` (see the module docstring).
+
+    `mounter` is a mount process forked already (the step service forks it
+    before a client arrives), which with `mounter_env` takes this process's
+    environment when it is handed the mount; `on_publish` is called just
+    before the publish is sent, `on_done` with the final result before the
+    mount is torn down (the service answers its client then).
 
     With `root` (a workspace's volume and branch) the workspace is the
     sandbox's whole root and the volumes are at /storage in it. The root is
@@ -162,7 +177,8 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
     leases = _Leases(store)
     state: MountState | None = None
     # The mount process first: it loads the FUSE stack while this one pins and forks.
-    mounter = Prepared(watch_pid=os.getpid())
+    if mounter is None:
+        mounter = Prepared(watch_pid=os.getpid())
     sweep_abandoned_steps()  # what runners killed at the wrong moment left behind
     ws_root = _WorkspaceRoot(store, *root, run_id) if root is not None else None
     try:
@@ -189,13 +205,14 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         # directory, the OCI bundle, runsc's state), so the mount process's teardown
         # removes it all when this runner dies.
         state = st = new_state(os.path.join(scratch_root(), "_"), store.url, vols,
-                               single=False, extra={"run": run_id, "runner": os.getpid()})
+                               single=False, extra={"run": run_id, "runner": os.getpid()},
+                               save=False)
         storage = os.path.join(st.scratch, "storage")
         os.mkdir(storage, 0o755)
         st.mountpoint = storage
         st.extra["token"] = store.token
         st.save()
-        error = mounter.go(st)
+        error = mounter.go(st, dict(os.environ) if mounter_env else None)
         if error is not None:
             raise StrataError(f"could not mount the step's volumes: {error}")
         # The mount process recorded its pid; keep it when this runner saves the state
@@ -230,10 +247,14 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         if result.status == 0:
             if leases.lost:
                 raise Unavailable(f"lost the lease on {', '.join(leases.lost)}; not publishing")
+            if on_publish is not None:
+                on_publish()
             _publish(store, state, result, argv, message, leases.tokens(), identical)
         if ws_root is not None and root_head is not None:
             result.published[ws_root.volume] = root_head  # durable whatever the status
         result.timings["finish"] = time.monotonic() - t2
+        if on_done is not None:
+            on_done(result)
         return result
     finally:
         if ws_root is not None:
@@ -245,6 +266,9 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         leases.release()
         if state is not None:
             shutil.rmtree(state.scratch, ignore_errors=True)
+            # Step mounts do not measure the content cache: keep it bounded from here.
+            with contextlib.suppress(OSError):
+                trim_if_due()
 
 
 class _WorkspaceRoot:

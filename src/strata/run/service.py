@@ -1,0 +1,639 @@
+"""The step service: one resident process per store that runs `strata run` steps.
+
+Started on demand by `strata run` (run/client.py) as `python -m
+strata.run.service STORE`, it imports the mount stack (pyfuse3, trio), the
+store client and the runner once, listens on `STORE/steps.sock` (mode 0600),
+and keeps workers forked ahead of their clients, each with its step's mount
+process forked already (no imports, no fork on the step's path). A worker
+takes one connection, reads and checks the request, takes the client's
+stdin, stdout and stderr as its own, and runs the step exactly as an
+in-process `strata run` would (`runner.run_step`). The client learns the
+result, or the error, as frames on the same connection (docs/api.md, "The
+step service").
+
+Dying stays safe, as it was with the runner in the CLI's own process:
+
+- The client dies: the kernel ends the worker (SIGIO on its connection,
+  `_die_with_client`); its mount process notices, kills the step's processes and
+  discards everything, as it did when a runner died.
+- The worker dies: the same.
+- The service dies: every worker dies with it (PR_SET_PDEATHSIG), so the
+  same again; its client sees the connection end and reports the step failed.
+  The next `strata run` starts a fresh service.
+
+The service itself never reads a byte a client sends: the worker does, after
+the fork, with a deadline and size limits, and checks every field before it
+touches anything. It exits when it has been idle for STRATA_SERVER_IDLE_EXIT
+seconds (300 by default), or when no worker runs and the store's server is
+gone (`strata serve --stop`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import json
+import math
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+from strata.engine.errors import InvalidInput, StrataError
+from strata.run.client import (
+    LOCK_NAME,
+    MAX_ANSWER,
+    MAX_REQUEST,
+    PROTOCOL,
+    SERVER_SOCKET,
+    frame,
+    socket_path,
+)
+
+if TYPE_CHECKING:
+    from strata.mount.process import Prepared
+
+REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request
+CHECK_SERVER_EVERY = 1.0
+IDLE_WORKERS = 2  # forked ahead, waiting for clients
+MAX_ARGS = 4096
+MAX_SPECS = 256
+MAX_ENV = 4096
+PR_SET_PDEATHSIG = 1
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m strata.run.service STORE", file=sys.stderr)
+        return 2
+    store = os.path.abspath(argv[0])
+    os.chdir("/")
+    lock = _lock(store)
+    if lock is None:
+        return 0  # another service has the store
+    _preload()
+    from strata.engine.storedir import read_store_meta
+    try:  # fixed when the store was made: spares every step a request for it
+        block = int(read_store_meta(store)["block_size"])
+    except (StrataError, KeyError, ValueError, TypeError):
+        block = 0  # asked of the server, as any client does
+    listener = _listen(socket_path(store))
+    os.write(1, f"step service {os.getpid()} listening on {socket_path(store)}\n".encode())
+    try:
+        _serve(listener, store, lock, _idle_exit(), block)
+    finally:
+        listener.close()
+        os.close(lock)
+    return 0
+
+
+def _idle_exit() -> float:
+    try:
+        return max(1.0, float(os.environ.get("STRATA_SERVER_IDLE_EXIT", "300")))
+    except ValueError:
+        return 300.0
+
+
+def _lock(store: str) -> int | None:
+    """The store's service lock, or None when another live service holds it.
+
+    A service that is leaving holds it for a moment after its socket is gone,
+    so a holder that does not answer is waited for (up to 5 s) rather than
+    left to a client that would wait for a socket nobody binds.
+    """
+    fd = os.open(os.path.join(store, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())  # who serves (for people and tests)
+            return fd
+        except BlockingIOError:
+            pass
+        if _answers(socket_path(store)) or time.monotonic() > deadline:
+            os.close(fd)
+            return None
+        time.sleep(0.01)
+
+
+def _answers(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _preload() -> None:
+    """Import everything a step and its mount process use, once for all workers."""
+    import ctypes  # noqa: F401  (sandbox._prctl)
+    import subprocess  # noqa: F401
+
+    import strata.mount.cache
+    import strata.mount.fuse
+    import strata.mount.process
+    import strata.mount.session
+    import strata.mount.vfs
+    import strata.run.runner
+    import strata.run.sandbox
+    import strata.server.client  # noqa: F401
+    strata.run.sandbox.pdeathsig_wrapper()  # asked once here, not by every worker
+    # What is loaded now is never freed: keep the collector off those pages, so a
+    # forked worker does not copy them by touching their headers.
+    gc.collect()
+    gc.freeze()
+
+
+def _listen(path: str) -> socket.socket:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a dead service's: we hold the lock
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # owner only from the first instant
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    listener.listen(128)
+    return listener
+
+
+class _Pool:
+    """Workers forked ahead of their clients, each blocked in accept().
+
+    A worker that takes a connection writes its pid to `took` and the service
+    forks a fresh one, so a step never waits for a fork of the service, nor
+    for the worker's mount process, which the worker forks before it accepts.
+    """
+
+    def __init__(self, listener: socket.socket, lock: int, store: str, block: int) -> None:
+        self.listener, self.lock, self.store, self.block = listener, lock, store, block
+        self.took_r, self.took_w = os.pipe()
+        self.idle: set[int] = set()
+        self.busy: set[int] = set()
+
+    def fill(self) -> None:
+        while len(self.idle) < IDLE_WORKERS:
+            self.idle.add(self._fork())
+
+    def taken(self) -> None:
+        """Move the workers that said they took a connection from idle to busy."""
+        data = os.read(self.took_r, 4096)
+        for (pid,) in struct.iter_unpack("i", data[:len(data) - len(data) % 4]):
+            self.idle.discard(pid)
+            self.busy.add(pid)
+
+    def reap(self) -> None:
+        for group in (self.idle, self.busy):
+            for pid in list(group):
+                with contextlib.suppress(ChildProcessError):
+                    done, _status = os.waitpid(pid, os.WNOHANG)
+                    if not done:
+                        continue
+                group.discard(pid)
+
+    def stop_idle(self) -> None:
+        for pid in self.idle:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in self.idle:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        self.idle.clear()
+
+    def _fork(self) -> int:
+        service = os.getpid()
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:
+            os.close(self.lock)  # a fresh service may start the moment this one is gone
+            os.close(self.took_r)
+            code = _worker(self.listener, self.took_w, service, self.store, self.block)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+
+def _serve(listener: socket.socket, store: str, lock: int, idle: float, block: int) -> None:
+    pool = _Pool(listener, lock, store, block)
+    last = time.monotonic()
+    next_check = last + CHECK_SERVER_EVERY
+    try:
+        while True:
+            pool.fill()
+            ready, _w, _x = select.select([pool.took_r], [], [], 0.25)
+            now = time.monotonic()
+            if ready:
+                pool.taken()
+                last = now
+            pool.reap()
+            if pool.busy:
+                last = now
+                continue
+            if now - last > idle:
+                return
+            if now >= next_check:
+                next_check = now + CHECK_SERVER_EVERY
+                # A connection only: a request would keep the server from ever idling.
+                if not _answers(os.path.join(store, SERVER_SOCKET)):
+                    return  # the store's server stopped: so do we (a client starts both)
+    finally:
+        # No new connection from here on; a worker that took one just now says so
+        # in `took` and finishes its step; the idle ones go.
+        with contextlib.suppress(OSError):
+            os.unlink(socket_path(store))  # ours: no other service binds without the lock
+        readable, _w, _x = select.select([pool.took_r], [], [], 0)
+        if readable:
+            pool.taken()
+        pool.stop_idle()
+        for pid in pool.busy:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def _die_with_parent(parent: int) -> bool:
+    import ctypes
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    return os.getppid() == parent  # else it died before the prctl took hold
+
+
+def _send(conn: socket.socket, doc: dict[str, Any]) -> bool:
+    try:
+        conn.sendall(frame(doc))
+        return True
+    except OSError:
+        return False  # the client is gone (SIGIO ends this worker, see _die_with_client)
+
+
+class Refused(Exception):
+    """A request the worker will not run; `code` is the CLI's exit code."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _worker(listener: socket.socket, took: int, service: int, store: str, block: int) -> int:
+    """A pre-forked worker: fork the mount process, take one connection, run its step."""
+    from strata.mount.process import Prepared
+    if not _die_with_parent(service):
+        return 1
+    # Forked now, while this process has no client: the mount process never holds
+    # a client's terminal, pipes or connection, nor the service's socket.
+    mounter = Prepared(watch_pid=os.getpid(), close=(listener.fileno(), took))
+    try:
+        conn, _addr = listener.accept()
+    except OSError:
+        return 1
+    finally:
+        listener.close()
+    try:
+        os.write(took, struct.pack("i", os.getpid()))
+    finally:
+        os.close(took)
+    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.getuid():
+        return 1  # the socket is 0600; this is a second line
+    fds: list[int] = []
+    try:
+        conn.settimeout(REQUEST_TIMEOUT)
+        try:
+            raw, fds = _read_request(conn)
+            step = _check(raw)
+        except Refused as exc:
+            _send(conn, {"event": "error", "code": exc.code, "message": str(exc)})
+            return 1
+        except (OSError, ValueError) as exc:
+            _send(conn, {"event": "error", "code": 2, "message": f"bad request: {exc}"})
+            return 1
+        conn.settimeout(None)
+        if step["op"] == "mount":
+            return _mount(conn, step, store, mounter)
+        return _run(conn, step, fds, store, mounter, block)
+    finally:
+        mounter.cancel()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _read_request(conn: socket.socket) -> tuple[Any, list[int]]:
+    """The request's JSON document and the three descriptors sent with it."""
+    fds: list[int] = []
+    try:
+        data, anc, flags, _addr = conn.recvmsg(65536, socket.CMSG_SPACE(3 * 4))
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                usable = len(payload) - len(payload) % 4
+                fds.extend(struct.unpack(f"{usable // 4}i", payload[:usable]))
+        if flags & socket.MSG_CTRUNC:
+            raise ValueError("too many descriptors")
+        if len(fds) != 3:
+            raise ValueError(f"expected 3 descriptors (stdin, stdout, stderr), got {len(fds)}")
+        if len(data) < 4:
+            data += _exact(conn, 4 - len(data))
+        size = int.from_bytes(data[:4], "big")
+        if size > MAX_REQUEST:
+            raise ValueError(f"request of {size} bytes is over {MAX_REQUEST}")
+        body = data[4:]
+        if len(body) > size:
+            raise ValueError("bytes after the request")
+        body += _exact(conn, size - len(body))
+        return json.loads(body), fds
+    except BaseException:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
+
+
+def _exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise ValueError("request cut short")
+        buf += chunk
+    return bytes(buf)
+
+
+def _check(raw: Any) -> dict[str, Any]:
+    """The request's fields, each checked; Refused names the first bad one."""
+    from strata.run.sandbox import SANDBOXES
+    from strata.run.spec import parse_spec
+    if not isinstance(raw, dict):
+        raise Refused("a request is a JSON object")
+    if raw.get("v") != PROTOCOL:
+        raise Refused(f"protocol version {raw.get('v')!r}; this service speaks {PROTOCOL} "
+                      "(stop it with 'strata serve --stop' after an upgrade)", 1)
+    op = raw.get("op", "step")
+    if op == "mount":
+        return _check_mount(raw)
+    if op != "step":
+        raise Refused(f"op must be 'step' or 'mount', not {op!r}")
+    known = {"v", "op", "argv", "specs", "sandbox", "timeout", "memory", "network", "message",
+             "identical", "env", "cwd", "umask"}
+    extra = set(raw) - known
+    if extra:
+        raise Refused(f"unknown request fields {sorted(extra)}")
+    _check_common(raw)
+    argv = raw.get("argv")
+    if (not isinstance(argv, list) or not 0 < len(argv) <= MAX_ARGS
+            or not all(isinstance(a, str) and "\0" not in a for a in argv)):
+        raise Refused(f"argv must be 1 to {MAX_ARGS} strings without NUL")
+    texts = raw.get("specs")
+    if (not isinstance(texts, list) or len(texts) > MAX_SPECS
+            or not all(isinstance(t, str) for t in texts)):
+        raise Refused(f"specs must be at most {MAX_SPECS} strings")
+    try:
+        specs = [parse_spec(t) for t in texts]
+    except InvalidInput as exc:
+        raise Refused(str(exc)) from None
+    if len({s.volume for s in specs}) != len(specs):
+        raise Refused("a volume appears twice")
+    if raw.get("sandbox") not in SANDBOXES:
+        raise Refused(f"sandbox must be one of {', '.join(SANDBOXES)}")
+    timeout = raw.get("timeout")
+    if timeout is not None and (isinstance(timeout, bool)
+                                or not isinstance(timeout, (int, float))
+                                or not math.isfinite(timeout) or timeout <= 0):
+        raise Refused("timeout must be a positive number of seconds or null")
+    memory = raw.get("memory")
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int)
+                               or memory <= 0):
+        raise Refused("memory must be a positive number of bytes or null")
+    for name in ("network", "identical"):
+        if not isinstance(raw.get(name), bool):
+            raise Refused(f"{name} must be true or false")
+    message = raw.get("message")
+    if message is not None and not isinstance(message, str):
+        raise Refused("message must be a string or null")
+    return {**raw, "op": "step", "specs": specs}
+
+
+def _check_common(raw: dict[str, Any]) -> None:
+    """The fields every request has: the client's environment, directory and umask."""
+    env = raw.get("env")
+    if (not isinstance(env, dict) or len(env) > MAX_ENV
+            or not all(isinstance(k, str) and isinstance(v, str) and k and "=" not in k
+                       and "\0" not in k and "\0" not in v for k, v in env.items())):
+        raise Refused(f"env must map at most {MAX_ENV} names (no '=', no NUL) to strings")
+    cwd = raw.get("cwd")
+    if not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd:
+        raise Refused("cwd must be an absolute path")
+    umask = raw.get("umask")
+    if isinstance(umask, bool) or not isinstance(umask, int) or not 0 <= umask <= 0o777:
+        raise Refused("umask must be an integer from 0 to 0o777")
+
+
+def _check_mount(raw: dict[str, Any]) -> dict[str, Any]:
+    """A `mount --background` request: REFs as [name, volume, branch, snapshot, ro]."""
+    from strata.engine.names import check_branch, check_hex_id, check_volume
+    from strata.mount.session import MountRef
+    known = {"v", "op", "refs", "target", "ro", "single", "env", "cwd", "umask"}
+    extra = set(raw) - known
+    if extra:
+        raise Refused(f"unknown request fields {sorted(extra)}")
+    _check_common(raw)
+    for name in ("ro", "single"):
+        if not isinstance(raw.get(name), bool):
+            raise Refused(f"{name} must be true or false")
+    target = raw.get("target")
+    if (not isinstance(target, str) or not target.startswith("/") or "\0" in target
+            or not os.path.isdir(target)):
+        raise Refused("target must be the absolute path of a directory")
+    items = raw.get("refs")
+    if not isinstance(items, list) or not 0 < len(items) <= MAX_SPECS:
+        raise Refused(f"refs must list 1 to {MAX_SPECS} refs")
+    if raw["single"] and len(items) != 1:
+        raise Refused("a single-volume mount has one ref")
+    refs = []
+    for item in items:
+        if (not isinstance(item, list) or len(item) != 5 or not isinstance(item[0], str)
+                or not isinstance(item[1], str) or not isinstance(item[4], bool)
+                or not all(x is None or isinstance(x, str) for x in item[2:4])
+                or (item[2] is None) == (item[3] is None)):
+            raise Refused("a ref is [name, volume, branch or null, snapshot or null, ro], "
+                          "with a branch or a snapshot")
+        name, volume, branch, snapshot, ro = item
+        try:
+            if name:
+                check_volume(name)  # a directory name in the mount: the same rules
+            check_volume(volume)
+            if branch is not None:
+                check_branch(branch)
+            if snapshot is not None:
+                check_hex_id(snapshot, min_len=8)
+        except InvalidInput as exc:
+            raise Refused(str(exc)) from None
+        refs.append(MountRef(name, volume, branch, snapshot, ro))
+    return {**raw, "op": "mount", "refs": refs}
+
+
+def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: str,
+         mounter: Prepared, block: int) -> int:
+    """Run the checked step with the client's stdio; answer on `conn`."""
+    from strata.run.runner import StepResult, run_step
+    from strata.server.client import RemoteStore, default_socket
+    if not _send(conn, {"event": "accepted"}):
+        return 1
+    # The client's environment (the command's, the scratch and cache directories),
+    # umask and working directory, as if the step ran in its own process.
+    os.umask(step["umask"])
+    os.environ.clear()
+    os.environ.update(step["env"])
+    with contextlib.suppress(OSError):
+        os.chdir(step["cwd"])
+    log = os.dup(2)
+    for target, fd in zip((0, 1, 2), fds, strict=True):
+        os.dup2(fd, target)
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+    answered: list[bool] = []  # non-empty once the answer is on its way
+    _die_with_client(conn)
+
+    def publishing() -> None:
+        _send(conn, {"event": "publishing"})
+
+    def done(result: StepResult) -> None:
+        _release_stdio(log)
+        answered.append(True)
+        _stop_dying_with_client(conn)
+        doc: dict[str, Any] = {"event": "result", "result": result.to_json()}
+        if len(frame(doc)) - 4 > MAX_ANSWER:
+            doc = {"event": "error", "code": 1, "message": "the step's result is too large"}
+        _send(conn, doc)
+
+    store = RemoteStore("unix:" + default_socket(store_dir))
+    if block:
+        store.block_size = block
+    try:
+        run_step(store, step["specs"], step["argv"], sandbox=step["sandbox"],
+                 timeout=step["timeout"], memory=step["memory"], network=step["network"],
+                 message=step["message"], identical=step["identical"], mounter=mounter,
+                 mounter_env=True, on_publish=publishing, on_done=done)
+    except Exception as exc:
+        if answered:
+            traceback.print_exc()  # after the answer: only the teardown failed
+            return 1
+        _release_stdio(log)
+        answered.append(True)
+        _stop_dying_with_client(conn)
+        code = exc.exit_code if isinstance(exc, StrataError) else 1
+        if not isinstance(exc, StrataError):
+            traceback.print_exc()
+        _send(conn, {"event": "error", "code": code, "message": str(exc) or type(exc).__name__})
+        return 1
+    finally:
+        with contextlib.suppress(Exception):
+            store.close()
+    return 0
+
+
+def _mount(conn: socket.socket, req: dict[str, Any], store_dir: str, mounter: Prepared) -> int:
+    """Make a background mount with the pre-forked mount process; answer its mount point.
+
+    Unlike a step, the mount outlives this worker, the client and the
+    service (its process watches nobody), as a `strata mount --background`
+    made in the CLI's own process does; so this worker finishes what it
+    began even if its client goes away.
+    """
+    from strata.mount.session import mount_volumes, new_state
+    from strata.server.client import RemoteStore, default_socket
+    if not _send(conn, {"event": "accepted"}):
+        return 1
+    os.umask(req["umask"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    with contextlib.suppress(OSError):
+        os.chdir(req["cwd"])
+    url = "unix:" + default_socket(store_dir)
+    try:
+        if os.listdir(req["target"]):
+            raise InvalidInput(f"{req['target']} is not empty")
+        store = RemoteStore(url)
+        try:
+            vols = mount_volumes(store, req["refs"], ro=req["ro"], single=req["single"])
+        finally:
+            store.close()
+        state = new_state(req["target"], url, vols, single=req["single"])
+        # As cmd_mount: the mount keeps the store's server from idling, and commit,
+        # status and unmount start it again if it is gone.
+        state.extra["store"] = store_dir
+        idle = float(os.environ.get("STRATA_SERVER_IDLE_EXIT", "300") or 300)
+        state.extra["keepalive"] = max(min(idle / 3, 60.0), 0.5)
+        state.save()
+        error = mounter.go(state, dict(os.environ), watch=False)
+    except (StrataError, OSError, ValueError) as exc:
+        code = exc.exit_code if isinstance(exc, StrataError) else 1
+        _send(conn, {"event": "error", "code": code, "message": str(exc)})
+        return 1
+    if error is not None:
+        _send(conn, {"event": "error", "code": 1, "message": error})
+        return 1
+    _send(conn, {"event": "result", "result": {"mountpoint": state.mountpoint}})
+    return 0
+
+
+def _release_stdio(log: int) -> None:
+    """Give the client's stdio back, so its pipes end when the client exits.
+
+    What the worker still says goes to the service's log.
+    """
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+
+
+def _die_with_client(conn: socket.socket) -> None:
+    """Let the kernel end this worker the moment its client goes away.
+
+    The client sends nothing after its request, so the connection becoming
+    readable (its end, or bytes it should not send) means the step is
+    abandoned. With O_ASYNC the kernel then sends SIGIO, whose default
+    action ends the process at once, wherever it is (no thread, no Python
+    handler); this worker's death is what discards the step (its mount
+    process kills the step's processes and removes everything).
+    `_stop_dying_with_client` undoes it before the answer goes out.
+    """
+    signal.signal(signal.SIGIO, signal.SIG_DFL)
+    fd = conn.fileno()
+    fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+    if select.select([fd], [], [], 0)[0]:
+        os.kill(os.getpid(), signal.SIGKILL)  # gone before there was anyone to tell
+
+
+def _stop_dying_with_client(conn: socket.socket) -> None:
+    signal.signal(signal.SIGIO, signal.SIG_IGN)
+    fd = conn.fileno()
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_ASYNC)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

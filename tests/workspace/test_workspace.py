@@ -188,3 +188,23 @@ def test_detach_after_the_daemon_died_clears_what_it_left(wsenv: WsEnv) -> None:
     assert [ln for ln in open("/proc/self/mountinfo") if str(wsenv.root) in ln] == []
     e = wsenv.attach("dev", "again")
     assert (e / "kept").read_text() == "synced\n"
+
+
+def test_an_attach_publishes_once_what_its_mount_wrote(wsenv: WsEnv) -> None:
+    # The mount's own flushes (a journal replay, the superblock's mount count) are
+    # answered without a publish; the attach publishes it all once mount returns.
+    wsenv.run("workspace", "create", "dev", "--size", "2G")
+    d = wsenv.attach("dev", "w")
+    for i in range(50):
+        with open(d / f"f{i}", "w") as f:
+            f.write(f"record {i}\n")
+            f.flush()
+            os.fsync(f.fileno())
+    os.kill(int(_state(wsenv, d)["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
+    wsenv.detach(d)  # the journal still holds those commits: the next mount replays them
+    before = json.loads(wsenv.run("workspace", "log", "dev", "--all", "--json").stdout)
+    e = wsenv.attach("dev", "again")
+    after = json.loads(wsenv.run("workspace", "log", "dev", "--all", "--json").stdout)
+    assert after[0]["parent"] == before[0]["id"]  # one flush on top of the head it found
+    assert [(e / f"f{i}").read_text() for i in range(50)] == [f"record {i}\n"
+                                                             for i in range(50)]

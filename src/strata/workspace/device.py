@@ -132,6 +132,10 @@ class Device:
         self._writes = 0                         # counts writes, for read-modify-write
         self._written: set[int] | None = None    # extents the head holds, once listed
         self.fenced: str | None = None           # why writes are refused, once fenced
+        # While the filesystem is being made or mounted (mkfs, journal replay), the
+        # kernel's flushes are answered without a publish; the attach publishes once
+        # after (see `_mount_fs` and docs/workspaces.md, "Attach, write, flush").
+        self.deferring = False
 
     # -- reading ---------------------------------------------------------------------
 

@@ -122,6 +122,8 @@ class Operations(pyfuse3.Operations):
         return await _call(self.device.write, off, buf)
 
     async def fsync(self, fh: int, datasync: bool) -> None:
+        if self.device.deferring:
+            return  # mkfs or mount is running: the attach publishes once it returns
         try:
             if self.device.try_flush(INLINE_FLUSH):  # a journal commit: no thread hop
                 return

@@ -75,6 +75,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InvalidInput("no command given (strata run -v VOL -- CMD ...)")
     if args.root is not None:
         return _run_root(args, argv)
+    if not args.specs:  # a step is a transaction over volumes: name at least one
+        raise InvalidInput("no volume given (strata run -v VOL -- CMD ..., "
+                           "or --root ws:NAME for a workspace as the whole root)")
     if server_url(args) is None and os.environ.get("STRATA_RUN_IN_PROCESS") != "1":
         return _report(args, _via_service(args, argv))
     return _run(args, argv)

@@ -16,14 +16,11 @@ import stat as statmod
 from collections.abc import Callable, Iterator
 
 from strata.engine.errors import InvalidInput, Unavailable
+from strata.engine.kinds import KIND_OF_IFMT
 from strata.engine.objects import (
     INLINE_MAX,
     K_BLK,
     K_CHR,
-    K_DIR,
-    K_FIFO,
-    K_FILE,
-    K_SOCK,
     K_SYMLINK,
     ZERO_ID,
     Entry,
@@ -32,15 +29,12 @@ from strata.engine.objects import (
 
 XAttrs = tuple[tuple[bytes, bytes], ...]
 
-_KIND_OF_FMT = {statmod.S_IFREG: K_FILE, statmod.S_IFDIR: K_DIR, statmod.S_IFLNK: K_SYMLINK,
-                statmod.S_IFIFO: K_FIFO, statmod.S_IFCHR: K_CHR, statmod.S_IFBLK: K_BLK,
-                statmod.S_IFSOCK: K_SOCK}
 _NO_XATTR = (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP)  # absent, or unsupported here
 
 
 def kind_of(mode: int) -> int | None:
     """The entry kind of an st_mode (None for a file type snapshots cannot hold)."""
-    return _KIND_OF_FMT.get(statmod.S_IFMT(mode))
+    return KIND_OF_IFMT.get(statmod.S_IFMT(mode))
 
 
 def read_xattr(path: str, name: bytes) -> bytes | None:

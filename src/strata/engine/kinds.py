@@ -20,3 +20,4 @@ ENTRY_KIND_NAMES = {K_FILE: "file", K_DIR: "dir", K_SYMLINK: "symlink", K_FIFO: 
 IFMT = {K_FILE: statmod.S_IFREG, K_DIR: statmod.S_IFDIR, K_SYMLINK: statmod.S_IFLNK,
         K_FIFO: statmod.S_IFIFO, K_CHR: statmod.S_IFCHR, K_BLK: statmod.S_IFBLK,
         K_SOCK: statmod.S_IFSOCK}
+KIND_OF_IFMT = {fmt: kind for kind, fmt in IFMT.items()}  # st_mode's file type -> kind

@@ -15,20 +15,8 @@ from collections.abc import Iterator
 
 from strata.engine.errors import InvalidInput, StrataError
 from strata.engine.interface import Store
-from strata.engine.objects import (
-    K_BLK,
-    K_CHR,
-    K_DIR,
-    K_FIFO,
-    K_FILE,
-    K_SOCK,
-    K_SYMLINK,
-    Entry,
-)
-
-_KINDS = {statmod.S_IFREG: K_FILE, statmod.S_IFDIR: K_DIR, statmod.S_IFLNK: K_SYMLINK,
-          statmod.S_IFIFO: K_FIFO, statmod.S_IFCHR: K_CHR, statmod.S_IFBLK: K_BLK,
-          statmod.S_IFSOCK: K_SOCK}
+from strata.engine.kinds import KIND_OF_IFMT
+from strata.engine.objects import K_FILE, K_SYMLINK, Entry
 
 
 @contextlib.contextmanager
@@ -73,7 +61,7 @@ def entry_of(path: str) -> Entry:
         st = os.lstat(path)
     except FileNotFoundError:
         raise StrataError(f"no such path in the workspace: {path}") from None
-    kind = _KINDS[statmod.S_IFMT(st.st_mode)]
+    kind = KIND_OF_IFMT[statmod.S_IFMT(st.st_mode)]
     data = os.readlink(os.fsencode(path)) if kind == K_SYMLINK else None
     return Entry(kind=kind, mode=statmod.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
                  mtime_ns=st.st_mtime_ns, size=st.st_size if kind == K_FILE else 0, data=data,

@@ -126,8 +126,8 @@ def test_a_file_read_in_one_round_trip_is_verified(tmp_path: object) -> None:
     fake = _TamperingLean(wire.lean_path(sock), [raw, [GOOD]])  # a prefix: the rest is ours
     try:
         store = RemoteStore(f"unix:{sock}", retry_for=1.0)
-        got_raw, blocks = store.get_file(ref, 0, node.size)
-        assert got_raw == raw and blocks == {GOOD_ID: GOOD}
+        got_node, blocks = store.get_file(ref, 0, node.size)
+        assert got_node == node and blocks == {GOOD_ID: GOOD}
         store.close()
     finally:
         fake.close()

@@ -355,7 +355,7 @@ def test_a_file_and_its_blocks_in_one_round_trip(server: Server) -> None:
     e = r.lookup("multi")
     assert e is not None and e.ref is not None
     ref = e.ref
-    raw, blocks = lean.get_file(ref, 0, 1 << 40)
+    _node, blocks = lean.get_file(ref, 0, 1 << 40)
     assert len(blocks) == 6
     root = lean.snapshot(lean.head("v", "live")).root.ref
     assert root is not None

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from strata.engine.objects import Entry, Snapshot
+from strata.engine.objects import Entry, FileNode, Snapshot
 from strata.engine.tree import NodeCache
 
 
@@ -127,21 +127,16 @@ class Store(ABC):
         """Several objects at once (one round trip for a remote store)."""
         return [self.get_object(oid) for oid in ids]
 
-    def get_file(self, ref: bytes, offset: int, end: int) -> tuple[bytes, dict[bytes, bytes]]:
-        """A file node's raw bytes and some of the blocks covering [offset, end).
+    def get_file(self, ref: bytes, offset: int, end: int
+                 ) -> tuple[FileNode, dict[bytes, bytes]]:
+        """A file node and some of the blocks covering [offset, end), by id.
 
         A remote store answers both in one round trip, and may leave out
         blocks (the caller reads what is missing); this one reads them all.
         """
-        raw = self.get_object(ref)
-        from strata.engine.objects import ZERO_ID, FileNode
-        node = FileNode.decode(raw)
-        if end <= offset:
-            return raw, {}
-        bs = node.block_size
-        want = [b for b in dict.fromkeys(node.blocks[offset // bs:(end - 1) // bs + 1])
-                if b != ZERO_ID]
-        return raw, dict(zip(want, self.get_objects(want), strict=True))
+        node = FileNode.decode(self.get_object(ref))
+        want = node.block_ids(offset, end)
+        return node, dict(zip(want, self.get_objects(want), strict=True))
 
     def get_range(self, oid: bytes, offset: int, length: int) -> bytes:
         """A byte range of an object (whole-object fetch unless overridden)."""

@@ -160,6 +160,14 @@ class FileNode:
             raise ValueError("malformed file node")
         return cls(size=int(v[1]), block_size=int(v[2]), blocks=tuple(bytes(b) for b in v[3]))
 
+    def block_ids(self, offset: int, end: int) -> list[bytes]:
+        """The stored blocks covering bytes [offset, end): each id once, in order, no holes."""
+        if end <= offset:
+            return []
+        bs = self.block_size
+        span = self.blocks[offset // bs:(end - 1) // bs + 1]
+        return [b for b in dict.fromkeys(span) if b != ZERO_ID]
+
     def pieces(self, offset: int, end: int, fetch: Callable[[bytes], bytes]
                ) -> Iterator[tuple[int, bytes | None]]:
         """(length, bytes) for each block's share of bytes [offset, end); None for a hole.

@@ -141,12 +141,9 @@ class ContentWriter:
         if e.ref in self.pending:
             node = FileNode.decode(self.get_object(e.ref))
         else:  # the node and its blocks in one round trip from a remote store
-            raw, fetched = self.store.get_file(e.ref, offset, end)
-            node = FileNode.decode(raw)
-        bs = node.block_size
-        span = node.blocks[offset // bs:(end - 1) // bs + 1]
-        wanted = [b for b in span if b != ZERO_ID and b not in self.pending
-                  and b not in fetched]
+            node, fetched = self.store.get_file(e.ref, offset, end)
+        wanted = [b for b in node.block_ids(offset, end)
+                  if b not in self.pending and b not in fetched]
         if len(wanted) > 1:
             fetched.update(zip(wanted, self.store.get_objects(wanted), strict=True))
 

@@ -25,6 +25,7 @@ import msgpack
 from strata.engine.errors import Corrupt, InvalidInput, Unavailable
 from strata.engine.interface import ChangeSet, Lease, SnapshotInfo, Store
 from strata.engine.names import check_branch, check_volume
+from strata.engine.objects import FILENODE, FileNode, object_id
 from strata.engine.tree import NodeCache
 from strata.server import wire
 
@@ -416,7 +417,8 @@ class RemoteStore(Store):
         _s, _h, data = self.request("GET", f"/v1/objects/{oid.hex()}")
         return _verified(oid, data)
 
-    def get_file(self, ref: bytes, offset: int, end: int) -> tuple[bytes, dict[bytes, bytes]]:
+    def get_file(self, ref: bytes, offset: int, end: int
+                 ) -> tuple[FileNode, dict[bytes, bytes]]:
         """The file node and the blocks of [offset, end) that fit one lean answer.
 
         Every object is verified against its id; blocks the answer left out
@@ -425,7 +427,6 @@ class RemoteStore(Store):
         got = self._lean_call("get_file", ref, offset, end)
         if got is _MISS:
             return super().get_file(ref, offset, end)
-        from strata.engine.objects import FILENODE, ZERO_ID, FileNode, object_id
         if not (isinstance(got, list) and len(got) == 2 and isinstance(got[0], bytes)
                 and isinstance(got[1], list) and all(isinstance(b, bytes) for b in got[1])):
             raise InvalidInput("the server's file read answer is malformed")
@@ -434,14 +435,10 @@ class RemoteStore(Store):
             raise Corrupt("server", 0,
                           f"the bytes sent for file node {ref.hex()} do not match its id")
         node = FileNode.decode(raw)
-        if end <= offset:
-            return raw, {}
-        bs = node.block_size
-        want = [b for b in dict.fromkeys(node.blocks[offset // bs:(end - 1) // bs + 1])
-                if b != ZERO_ID]
+        want = node.block_ids(offset, end)
         if len(blocks) > len(want):
             raise InvalidInput("the server's file read answer has blocks it was not asked for")
-        return raw, {oid: _verified(oid, b) for oid, b in zip(want, blocks, strict=False)}
+        return node, {oid: _verified(oid, b) for oid, b in zip(want, blocks, strict=False)}
 
     def get_objects(self, ids: Sequence[bytes]) -> list[bytes]:
         out: list[bytes] = []

@@ -43,7 +43,7 @@ import msgpack
 
 from strata.engine.errors import InvalidInput, StrataError, Unavailable
 from strata.engine.names import check_branch, check_hex_id, check_volume, split_path
-from strata.engine.objects import ID_LEN, K_DIR, K_SYMLINK, ZERO_ID, Entry, FileNode
+from strata.engine.objects import ID_LEN, K_DIR, K_SYMLINK, Entry, FileNode
 from strata.engine.tree import Trees
 from strata.server import app as api
 from strata.server import wire
@@ -236,10 +236,7 @@ class LeanServer:
             node = FileNode.decode(raw)
         except (ValueError, TypeError, KeyError, IndexError):
             raise InvalidInput(f"{ref.hex()} is not a file node") from None
-        bs = node.block_size
-        want = [] if end == offset else [
-            b for b in dict.fromkeys(node.blocks[offset // bs:(end - 1) // bs + 1])
-            if b != ZERO_ID][:api.MAX_BATCH_GET]
+        want = node.block_ids(offset, end)[:api.MAX_BATCH_GET]
         sizes: list[int] = []
         total = len(raw)
         for oid in want:

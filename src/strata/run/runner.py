@@ -220,7 +220,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             st.pid = type(st).load(st.scratch).pid
         if ws_root is not None:
-            ws_root.__enter__()
+            ws_root.attach()
             os.makedirs(os.path.join(ws_root.dir, "storage"), exist_ok=True)  # mount point
         cmd, env = build_command(sandbox, argv, storage, network=network,
                                  workdir=state.scratch, run_id=run_id, memory=memory,
@@ -258,7 +258,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         return result
     finally:
         if ws_root is not None:
-            ws_root.__exit__(None, None, None)
+            ws_root.close()
         mounter.cancel()  # a mount process never handed a state exits
         if state is not None:
             with contextlib.suppress(Exception):
@@ -287,7 +287,7 @@ class _WorkspaceRoot:
         self.dir = os.path.join(self.work, "root")
         self.attached = False
 
-    def __enter__(self) -> _WorkspaceRoot:
+    def attach(self) -> None:
         from strata.server.client import RemoteStore
         from strata.workspace.attach import attach
         assert isinstance(self.store, RemoteStore)
@@ -298,6 +298,9 @@ class _WorkspaceRoot:
             self._clean()
             raise
         self.attached = True
+
+    def __enter__(self) -> _WorkspaceRoot:
+        self.attach()
         return self
 
     def detach(self) -> str:
@@ -309,6 +312,10 @@ class _WorkspaceRoot:
         return self.store.head(self.volume, self.branch)
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Detach if still attached (errors ignored: the step is failing), then clean up."""
         try:
             if self.attached:
                 with contextlib.suppress(Exception):

@@ -42,6 +42,7 @@ from typing import Any
 import msgpack
 
 from strata.engine.errors import InvalidInput, StrataError, Unavailable
+from strata.engine.local import LocalStore
 from strata.engine.names import check_branch, check_hex_id, check_volume, split_path
 from strata.engine.objects import ID_LEN, K_DIR, K_SYMLINK, Entry, FileNode
 from strata.engine.tree import Trees
@@ -207,17 +208,24 @@ class LeanServer:
             return []
         if len(ids) > api.MAX_BATCH_GET:
             raise InvalidInput(f"at most {api.MAX_BATCH_GET} ids per batch read")
-        store = self.state.need_store()
-        sizes: list[int] = []
-        total = 0
+        return self._read_fitting(self.state.need_store(), ids, 0, answer_held)
+
+    def _read_fitting(self, store: LocalStore, ids: list[bytes], used: int,
+                      answer_held: contextlib.ExitStack) -> list[bytes]:
+        """The objects of the first `ids` that fit one answer beside `used` bytes.
+
+        At least one when nothing else is in the answer. Their bytes are held in
+        the answer budget until the answer is sent.
+        """
+        total, count = used, 0
         for oid in ids:
-            n = store.object_size(oid)
-            if sizes and total + n > api.MAX_BATCH_ANSWER:
+            n = store.object_size(oid)  # NotFound for an unknown id
+            if total + n > api.MAX_BATCH_ANSWER and (count or used):
                 break
-            sizes.append(n)
             total += n
+            count += 1
         answer_held.enter_context(self.answers.hold(total))
-        raws = [store.get_object(o) for o in ids[:len(sizes)]]
+        raws = [store.get_object(o) for o in ids[:count]]
         self._served(len(raws), sum(len(r) for r in raws))
         return raws
 
@@ -236,19 +244,9 @@ class LeanServer:
             node = FileNode.decode(raw)
         except (ValueError, TypeError, KeyError, IndexError):
             raise InvalidInput(f"{ref.hex()} is not a file node") from None
+        self._served(1, len(raw))
         want = node.block_ids(offset, end)[:api.MAX_BATCH_GET]
-        sizes: list[int] = []
-        total = len(raw)
-        for oid in want:
-            n = store.object_size(oid)
-            if total + n > api.MAX_BATCH_ANSWER:
-                break
-            sizes.append(n)
-            total += n
-        answer_held.enter_context(self.answers.hold(total))
-        blocks = [store.get_object(o) for o in want[:len(sizes)]]
-        self._served(1 + len(blocks), total)
-        return [raw, blocks]
+        return [raw, self._read_fitting(store, want, len(raw), answer_held)]
 
     def _publish(self, body: bytes) -> dict[str, Any]:
         heads, prefetch = api.publish_now(self.state, OWNER, wire.decode_publish(body))

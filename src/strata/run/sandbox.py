@@ -119,8 +119,7 @@ def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
         return argv, env
     env["STRATA_STORAGE"] = "/storage"
     if sandbox == "bwrap":
-        if shutil.which("bwrap") is None:
-            raise InvalidInput("bubblewrap (bwrap) is not installed")
+        _need("bwrap", "bubblewrap (bwrap)")
         # The host root read-only, entry by entry (a bind of / itself would leave no
         # place to create /storage), then private /dev, /proc and /tmp.
         cmd = ["bwrap"]
@@ -140,11 +139,15 @@ def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
             cmd.append("--share-net")
         return [*cmd, "--", *argv], env
     if sandbox == "gvisor":
-        if shutil.which("runsc") is None:
-            raise InvalidInput("gVisor (runsc) is not installed")
+        _need("runsc", "gVisor (runsc)")
         config = _oci_config(argv, env, storage, network=network, memory=memory)
         return _runsc(config, workdir, run_id, network=network), env
     raise InvalidInput(f"unknown sandbox {sandbox!r} (use {', '.join(SANDBOXES)})")
+
+
+def _need(tool: str, name: str) -> None:
+    if shutil.which(tool) is None:
+        raise InvalidInput(f"{name} is not installed")
 
 
 def _root_command(sandbox: str, argv: list[str], root: str, storage: str,
@@ -159,8 +162,7 @@ def _root_command(sandbox: str, argv: list[str], root: str, storage: str,
     if storage:
         env["STRATA_STORAGE"] = "/storage"
     if sandbox == "bwrap":
-        if shutil.which("bwrap") is None:
-            raise InvalidInput("bubblewrap (bwrap) is not installed")
+        _need("bwrap", "bubblewrap (bwrap)")
         cmd = ["bwrap", "--bind", root, "/", "--dev", "/dev", "--proc", "/proc",
                "--perms", "1777", "--tmpfs", "/tmp", "--die-with-parent", "--new-session"]
         if storage:
@@ -183,8 +185,7 @@ def _root_command(sandbox: str, argv: list[str], root: str, storage: str,
                 cmd.append("--share-net")
         return [*cmd, "--", *argv], env
     if sandbox == "gvisor":
-        if shutil.which("runsc") is None:
-            raise InvalidInput("gVisor (runsc) is not installed")
+        _need("runsc", "gVisor (runsc)")
         config = _oci_config(argv, env, storage, network=network, memory=memory, root=root)
         return _runsc(config, workdir, run_id, network=network), env
     raise InvalidInput(f"a workspace root needs a sandbox (bwrap or gvisor), not {sandbox!r}")

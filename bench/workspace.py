@@ -117,6 +117,7 @@ def _packs_bytes(store: str) -> int:
 
 def _resume(env: Env, name: str, d: str) -> float:
     """Lose the host of `d`, then attach elsewhere and run the first `git status`."""
+    subprocess.run(["sync"], check=True)  # settle the host's own writeback before timing
     env.lose(d)
     t0 = time.perf_counter()
     e, _ = env.attach(name, f"{name}-resumed")

@@ -208,3 +208,27 @@ def test_an_attach_publishes_once_what_its_mount_wrote(wsenv: WsEnv) -> None:
     assert after[0]["parent"] == before[0]["id"]  # one flush on top of the head it found
     assert [(e / f"f{i}").read_text() for i in range(50)] == [f"record {i}\n"
                                                              for i in range(50)]
+
+
+def test_an_append_and_fsync_is_one_publish(wsenv: WsEnv) -> None:
+    # With async journal commits the commit block goes out with the journal's
+    # other blocks and one flush follows; ordered commits cost two (the loop
+    # device has no FUA, so a write with FUA is a flush, the write, a flush).
+    wsenv.run("workspace", "create", "dev", "--size", "2G")
+    d = wsenv.attach("dev", "w")
+    fd = os.open(d / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, b"first\n")
+        os.fsync(fd)
+        _syncfs(d)  # nothing left for a later commit to carry
+
+        def published() -> int:
+            return len(json.loads(wsenv.run("workspace", "log", "dev", "--all", "--json").stdout))
+
+        before = published()
+        for _ in range(5):
+            os.write(fd, b"x" * 4096)
+            os.fsync(fd)
+        assert published() - before == 5
+    finally:
+        os.close(fd)

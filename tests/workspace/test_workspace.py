@@ -232,3 +232,38 @@ def test_an_append_and_fsync_is_one_publish(wsenv: WsEnv) -> None:
         assert published() - before == 5
     finally:
         os.close(fd)
+
+
+HOLDER = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+end, i = time.monotonic() + float(sys.argv[2]), 0
+while time.monotonic() < end:
+    os.write(fd, b"%08d" % i * 512)
+    os.fsync(fd)
+    print(i, flush=True)
+    i += 1
+"""
+
+
+def test_detach_while_another_mount_namespace_holds_it_loses_nothing(wsenv: WsEnv) -> None:
+    # A sandbox started while attached keeps the filesystem alive in its own mount
+    # namespace after the unmount here. Detach must not trim (punch what the
+    # bitmaps call free) until it is gone everywhere: blocks allocated meanwhile
+    # would be punched after their last write.
+    import sys
+    wsenv.run("workspace", "create", "dev", "--size", "2G")
+    d = wsenv.attach("dev", "w")
+    holder = subprocess.Popen(["unshare", "-m", "--propagation", "private", sys.executable,
+                               "-c", HOLDER, str(d / "log"), "3"], stdout=subprocess.PIPE)
+    assert holder.stdout is not None
+    assert holder.stdout.readline() == b"0\n"
+    wsenv.detach(d)  # unmounted here at once; the device stays in use until the holder ends
+    out, _ = holder.communicate(timeout=60)
+    acked = int(out.split()[-1]) + 1 if out.split() else 1
+    assert holder.returncode == 0
+    e = wsenv.attach("dev", "again")
+    data = (e / "log").read_bytes()
+    assert len(data) >= acked * 4096
+    bad = [i for i in range(acked) if data[i * 4096:(i + 1) * 4096] != b"%08d" % i * 512]
+    assert bad == []

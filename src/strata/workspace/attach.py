@@ -43,6 +43,7 @@ from strata.workspace.device import (
 
 STATE_ROOT = os.environ.get("STRATA_WORKSPACE_STATE", "/run/strata/workspaces")
 LEASE_TTL = 30.0
+TRIM_WAIT = 10.0           # how long a trim waits for the filesystem to be gone everywhere
 FLUSH_DIRTY = 64 << 20     # write back in the background once this much is dirty
 FLUSH_AGE = 5.0            # ... or once something has been dirty this long
 FIFREEZE = 0xC0045877
@@ -240,6 +241,12 @@ class Daemon:
         dev = self.device
         assert dev is not None
         if dev.scratch or dev.fenced:
+            return 0
+        if not dev.wait_unused(TRIM_WAIT):
+            # Unmounted here but alive elsewhere: its bitmaps are not final, and a
+            # punch could land after a block's last write. Keeping blocks is safe.
+            print("strata workspace: not trimmed: the filesystem is still in use "
+                  "(another mount namespace holds it)", flush=True)
             return 0
         p = subprocess.run(["dumpe2fs", os.path.join(self.devdir, "disk")],
                            capture_output=True, text=True)

@@ -136,6 +136,8 @@ class Device:
         # kernel's flushes are answered without a publish; the attach publishes once
         # after (see `_mount_fs` and docs/workspaces.md, "Attach, write, flush").
         self.deferring = False
+        self._opens = 0                          # open handles on the device file
+        self._opens_changed = threading.Condition(self._lock)
 
     # -- reading ---------------------------------------------------------------------
 
@@ -399,6 +401,25 @@ class Device:
                     self._written = found | {x for x, ids in self._extents.items()
                                              if any(oid != ZERO_ID for oid in ids)}
         return self._written
+
+    def opened(self) -> None:
+        with self._lock:
+            self._opens += 1
+
+    def closed(self) -> None:
+        with self._lock:
+            self._opens -= 1
+            self._opens_changed.notify_all()
+
+    def wait_unused(self, timeout: float) -> bool:
+        """True once nothing has the device file open; False if something still does.
+
+        The loop device holds it until the filesystem on it is gone everywhere:
+        an unmount in one mount namespace leaves it alive while another (a
+        sandbox's) still holds it, writing back what it had cached.
+        """
+        with self._lock:
+            return self._opens_changed.wait_for(lambda: self._opens <= 0, timeout)
 
     @property
     def dirty_bytes(self) -> int:

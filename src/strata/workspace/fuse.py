@@ -106,6 +106,7 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR)
         fi = pyfuse3.FileInfo(fh=DISK)
         fi.direct_io = True   # the loop device and the filesystem cache pages already
+        self.device.opened()
         return fi
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -136,7 +137,7 @@ class Operations(pyfuse3.Operations):
         return None  # close() is not a barrier; fsync is
 
     async def release(self, fh: int) -> None:
-        return None
+        self.device.closed()
 
     async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()

@@ -89,3 +89,41 @@ def test_volumes_beside_a_workspace_root_are_a_transaction_the_root_is_not(
     p = wsenv.run("run", "--root", "ws:box", "-v", "box", "--sandbox", sandbox, "--", "true",
                   rc=None)
     assert p.returncode != 0 and "root workspace" in p.stderr
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_a_runner_that_dies_leaves_no_workspace_attached(wsenv: WsEnv, sandbox: str) -> None:
+    import time
+
+    from ws_harness import STRATA
+    seed = tiny_root(wsenv.root / "seed", ("sh", "sleep"))
+    wsenv.run("workspace", "create", "box", "--size", "1G", "--seed", str(seed))
+    scratch = wsenv.root / "scratch"
+    env = {**wsenv.env, "STRATA_SCRATCH": str(scratch)}
+    runner = subprocess.Popen([*STRATA, "run", "--root", "ws:box", "--sandbox", sandbox, "--",
+                               "/bin/sh", "-c", "echo unsynced > /written; echo ready; "
+                               "exec sleep 600"], env=env, stdout=subprocess.PIPE)
+    assert runner.stdout is not None
+    assert runner.stdout.readline() == b"ready\n"
+    runner.kill()
+    runner.wait()
+
+    def mounted() -> list[str]:
+        with open("/proc/self/mountinfo") as f:
+            return [ln.split()[4] for ln in f if ln.split()[4].startswith(str(scratch))]
+
+    deadline = time.monotonic() + 30
+    while (mounted() or os.listdir(wsenv.root / "state")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # The attach daemon saw its owner go, unmounted (which flushed), released the
+    # workspace and cleaned its state: the command's unsynced write is in.
+    assert mounted() == [] and os.listdir(wsenv.root / "state") == []
+    d = wsenv.attach("box", "look")
+    assert (d / "written").read_text() == "unsynced\n"
+    wsenv.detach(d)
+    # The next step sweeps the dead runner's directory once it has been left alone.
+    (left,) = os.listdir(scratch)
+    os.utime(scratch / left, (time.time() - 60, time.time() - 60))
+    subprocess.run([*STRATA, "run", "--root", "ws:box", "--sandbox", sandbox, "--", "/bin/sh",
+                    "-c", "true"], env=env, check=True, capture_output=True, timeout=120)
+    assert os.listdir(scratch) == []

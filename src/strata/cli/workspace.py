@@ -96,7 +96,7 @@ def _seed(store: RemoteStore, name: str, source: str) -> str:
         raise InvalidInput(f"{source} is not a directory")
     target = tempfile.mkdtemp(prefix="strata-seed-")
     try:
-        attach(store.url, store.token, name, "live", target)
+        attach(store.url, store.token, name, "live", target, owner=os.getpid())
         try:
             p = subprocess.run(["cp", "-a", "--", os.path.join(source, "."), target],
                                capture_output=True, text=True)

@@ -482,7 +482,7 @@ def teardown(state: MountState, *, lazy: bool = False) -> None:
         unmount(state.lower, lazy=True)
     if state.pid and state.pid != os.getpid():
         _wait_exit(state.pid, 5.0)
-        if _alive(state.pid):
+        if process_alive(state.pid):
             with contextlib.suppress(OSError):
                 os.kill(state.pid, signal.SIGTERM)
     if not state.single and is_mountpoint(state.mountpoint):
@@ -522,7 +522,7 @@ def sweep_abandoned_steps(root: str | None = None) -> list[str]:
         runner = st.extra.get("runner")
         if "run" not in st.extra or not isinstance(runner, int):
             continue
-        if _alive(runner) or (st.pid and _alive(st.pid)):
+        if process_alive(runner) or (st.pid and process_alive(st.pid)):
             continue
         if any(mp == scratch or mp.startswith(scratch + "/") for mp in mounted):
             continue
@@ -539,7 +539,7 @@ def _wait_exit(pid: int, timeout: float) -> None:
     except OSError:
         fd = -1  # gone already, or no pidfds here: poll
     try:
-        while _alive(pid) and (left := deadline - time.monotonic()) > 0:
+        while process_alive(pid) and (left := deadline - time.monotonic()) > 0:
             if fd >= 0:
                 select.select([fd], [], [], min(left, 0.1))
             else:
@@ -549,7 +549,7 @@ def _wait_exit(pid: int, timeout: float) -> None:
             os.close(fd)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """True while `pid` runs; an exited process not yet reaped counts as gone.
 
     The mount process is detached, so whoever adopts it reaps it, and some init

@@ -23,11 +23,13 @@ from strata.engine.errors import Conflict, Expired, StrataError, Unavailable
 from strata.engine.interface import ChangeSet, Store
 from strata.mount.cache import trim_if_due
 from strata.mount.session import (
+    SWEEP_AFTER,
     MountState,
     VolumeState,
     commit,
     new_state,
     pending,
+    process_alive,
     scratch_root,
     sweep_abandoned_steps,
     teardown,
@@ -180,6 +182,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
     if mounter is None:
         mounter = Prepared(watch_pid=os.getpid())
     sweep_abandoned_steps()  # what runners killed at the wrong moment left behind
+    _sweep_workspace_roots()
     ws_root = _WorkspaceRoot(store, *root, run_id) if root is not None else None
     try:
         for spec in specs:
@@ -275,7 +278,10 @@ class _WorkspaceRoot:
     """A workspace attached as a command's whole root, for the length of a step.
 
     It is attached outside the step's scratch directory: a teardown that
-    removes the scratch must never reach into a workspace still mounted.
+    removes the scratch must never reach into a workspace still mounted. This
+    process owns the attach: if it dies, the attach daemon detaches by itself
+    (which flushes) once the command's processes, which die with it, are gone,
+    and the next step's sweep removes the directory.
     """
 
     def __init__(self, store: Store, volume: str, branch: str, run_id: str) -> None:
@@ -292,8 +298,11 @@ class _WorkspaceRoot:
         from strata.workspace.attach import attach
         assert isinstance(self.store, RemoteStore)
         os.makedirs(self.dir)
+        with open(os.path.join(self.work, "runner"), "w") as f:
+            f.write(str(os.getpid()))
         try:
-            attach(self.store.url, self.store.token, self.volume, self.branch, self.dir)
+            attach(self.store.url, self.store.token, self.volume, self.branch, self.dir,
+                   owner=os.getpid())
         except BaseException:
             self._clean()
             raise
@@ -324,12 +333,48 @@ class _WorkspaceRoot:
             self._clean()
 
     def _clean(self) -> None:
-        with contextlib.suppress(OSError):
-            os.rmdir(self.dir)  # only when empty: never into a workspace still mounted
-        shutil.rmtree(os.path.join(self.work, "bundle"), ignore_errors=True)
-        shutil.rmtree(os.path.join(self.work, "runsc-root"), ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(self.work)
+        _remove_root_work(self.work)
+
+
+def _remove_root_work(work: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.join(work, "root"))  # only when empty: never into a mounted workspace
+    shutil.rmtree(os.path.join(work, "bundle"), ignore_errors=True)
+    shutil.rmtree(os.path.join(work, "runsc-root"), ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(work, "runner"))
+    with contextlib.suppress(OSError):
+        os.rmdir(work)
+
+
+def _sweep_workspace_roots() -> None:
+    """Remove what runners of `--root` steps that died left: their attach is gone by now.
+
+    Only once the runner is gone, nothing is mounted beneath (its attach
+    daemon detached by itself) and nothing changed for SWEEP_AFTER seconds.
+    """
+    root = scratch_root()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith("root-")]
+    except OSError:
+        return
+    if not names:
+        return
+    with open("/proc/self/mountinfo") as f:
+        mounted = [line.split()[4] for line in f]
+    for name in names:
+        work = os.path.join(root, name)
+        try:
+            if time.time() - os.stat(work).st_mtime < SWEEP_AFTER:
+                continue
+            with open(os.path.join(work, "runner")) as f:
+                runner = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if process_alive(runner) or any(mp == work or mp.startswith(work + "/")
+                                         for mp in mounted):
+            continue
+        _remove_root_work(work)
 
 
 def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,
@@ -343,6 +388,7 @@ def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,
     which flushes it. `run_step(..., root=...)` adds volumes beside it.
     """
     t0 = time.monotonic()
+    _sweep_workspace_roots()
     run_id = uuid.uuid4().hex[:12]
     result = StepResult(run_id, 0)
     with _WorkspaceRoot(store, volume, branch, run_id) as root:

@@ -5,7 +5,9 @@ any earlier holder), serves the device file over FUSE in a private
 directory, puts a loop device on it and mounts the filesystem on the
 caller's directory. The daemon renews the lease while it runs, writes dirty
 blocks back in the background, and answers the snapshot requests of
-`strata workspace snapshot` on a unix socket in its state directory.
+`strata workspace snapshot` on a unix socket in its state directory. An
+attach made for a process (`owner`, a step's runner) detaches itself once
+that process is gone, so a runner that dies leaves nothing attached.
 
 State lives in /run/strata/workspaces/<hash of the directory>/ (`state.json`,
 `dev/` the FUSE directory, `ctl` the socket, `daemon.log`).
@@ -18,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -44,6 +47,7 @@ from strata.workspace.device import (
 STATE_ROOT = os.environ.get("STRATA_WORKSPACE_STATE", "/run/strata/workspaces")
 LEASE_TTL = 30.0
 TRIM_WAIT = 10.0           # how long a trim waits for the filesystem to be gone everywhere
+OWNER_GRACE = 30.0         # an owner's processes get this long to leave the mount
 FLUSH_DIRTY = 64 << 20     # write back in the background once this much is dirty
 FLUSH_AGE = 5.0            # ... or once something has been dirty this long
 FIFREEZE = 0xC0045877
@@ -78,6 +82,7 @@ class Attached:
     pid: int = 0
     loop: str = ""
     snapshot: str = ""   # set for a read-only attach of one snapshot
+    owner: int = 0       # detach once this process is gone (0: stay until detached)
 
     @property
     def state_dir(self) -> str:
@@ -231,6 +236,35 @@ class Daemon:
                 reply = {"ok": False, "error": str(exc)}
             f.write(json.dumps(reply).encode() + b"\n")
 
+    def follow(self, owner: int | None, up: threading.Event) -> None:
+        """Once the owner's pidfd reads ready (it exited), detach this attach.
+
+        `owner` is None when the owner was gone before the daemon could watch it.
+        """
+        if owner is not None:
+            select.select([owner], [], [])
+            os.close(owner)
+        up.wait()
+        if self.stopping.is_set():
+            return
+        print(f"strata workspace: its owner (pid {self.att.owner}) is gone: detaching",
+              flush=True)
+        deadline = time.monotonic() + OWNER_GRACE
+        while True:  # the owner's processes die with it (PDEATHSIG); wait for them to leave
+            if subprocess.run(["umount", self.att.dir], capture_output=True).returncode == 0 \
+                    or not os.path.ismount(self.att.dir):
+                with contextlib.suppress(StrataError, OSError):
+                    self.trim()
+                break
+            if time.monotonic() > deadline:
+                print("strata workspace: still busy: unmounting lazily", flush=True)
+                subprocess.run(["umount", "-l", self.att.dir], capture_output=True)
+                break
+            time.sleep(0.2)
+        # Once the filesystem is gone (lazily: when its last user is) the loop
+        # device lets go of the FUSE file; unmounting it ends the daemon's loop.
+        _release_device(self.devdir, deadline=None, every=0.5)
+
     def trim(self) -> int:
         """Punch what the unmounted filesystem has free; return the bytes punched.
 
@@ -343,9 +377,13 @@ def run_daemon(att: Attached, report: int | None) -> int:
     def tell(msg: bytes) -> None:
         nonlocal report
         if report is not None:
-            os.write(report, msg)
-            os.close(report)
-            report = None
+            try:
+                os.write(report, msg)
+            except OSError:
+                pass  # the attaching process is gone (an owner: `follow` detaches)
+            finally:
+                os.close(report)
+                report = None
 
     store = RemoteStore(att.server, att.token, prefetch=False)  # its device keeps its own map
     daemon = Daemon(store, att)
@@ -368,6 +406,13 @@ def run_daemon(att: Attached, report: int | None) -> int:
     threads: list[tuple[Any, tuple[Any, ...]]] = [(daemon.control, (ctl,))]
     if not att.snapshot:
         threads += [(daemon.renew, ()), (daemon.write_back, ())]
+    up_done = threading.Event()
+    if att.owner:
+        try:  # the owner waits on our report, so it is alive now unless it was killed
+            owner: int | None = os.pidfd_open(att.owner)
+        except ProcessLookupError:
+            owner = None
+        threads.append((daemon.follow, (owner, up_done)))
     for target, args in threads:
         threading.Thread(target=target, args=args, daemon=True).start()
 
@@ -385,6 +430,7 @@ def run_daemon(att: Attached, report: int | None) -> int:
             subprocess.run(["fusermount3", "-uz", daemon.devdir], capture_output=True)
             return
         tell(b"ok")
+        up_done.set()
 
     assert daemon.device is not None
     try:
@@ -398,21 +444,24 @@ def run_daemon(att: Attached, report: int | None) -> int:
             if not dev.fenced and not att.snapshot:
                 dev.flush()
                 store.release_lease(att.volume, att.branch, daemon.lease)
+        if att.owner and not _alive(att.owner):
+            shutil.rmtree(att.state_dir, ignore_errors=True)  # nobody is left to detach
     return 0
 
 
 def attach(server: str, token: str | None, volume: str, branch: str, directory: str, *,
-           snapshot: str = "") -> Attached:
+           snapshot: str = "", owner: int = 0) -> Attached:
     """Attach in a detached daemon; return once mounted (or raise its error).
 
     With `snapshot`, that snapshot, read-only (the branch is only a label).
+    With `owner`, the daemon detaches by itself once that process is gone.
     """
     directory = os.path.realpath(directory)
     if not os.path.isdir(directory):
         raise InvalidInput(f"{directory} is not a directory")
     if os.path.ismount(directory):
         raise InvalidInput(f"something is mounted on {directory} already")
-    att = Attached(volume, branch, directory, server, token, snapshot=snapshot)
+    att = Attached(volume, branch, directory, server, token, snapshot=snapshot, owner=owner)
     with contextlib.suppress(NotFound):
         old = Attached.load(directory)
         if old.pid and _alive(old.pid):
@@ -502,6 +551,21 @@ def _gone(att: Attached) -> None:
     shutil.rmtree(att.state_dir, ignore_errors=True)
 
 
+def _release_device(devdir: str, deadline: float | None, every: float = 0.05) -> bool:
+    """Unmount the daemon's FUSE directory once the loop device lets go of it.
+
+    The loop device holds the file until autoclear has run after the
+    filesystem on it is gone. False if it is still held at `deadline`.
+    """
+    while True:
+        q = subprocess.run(["fusermount3", "-u", devdir], capture_output=True)
+        if q.returncode == 0 or not os.path.ismount(devdir):
+            return True
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(every)
+
+
 def detach(directory: str, *, timeout: float = 60.0) -> None:
     """Unmount (which flushes), let the daemon publish and release the lease, wait.
 
@@ -518,15 +582,9 @@ def detach(directory: str, *, timeout: float = 60.0) -> None:
     if not att.snapshot and _alive(att.pid):
         with contextlib.suppress(StrataError, OSError, ValueError):
             _ask(att, {"op": "trim"})  # free blocks become holes; keeping them is safe too
-    devdir = os.path.join(att.state_dir, "dev")
     deadline = time.monotonic() + timeout
-    while True:  # the loop device lets go of the FUSE file once autoclear has run
-        q = subprocess.run(["fusermount3", "-u", devdir], capture_output=True)
-        if q.returncode == 0 or not os.path.ismount(devdir):
-            break
-        if time.monotonic() > deadline:
-            raise InvalidInput(f"the device of {att.dir} stays busy")
-        time.sleep(0.05)
+    if not _release_device(os.path.join(att.state_dir, "dev"), deadline):
+        raise InvalidInput(f"the device of {att.dir} stays busy")
     while att.pid and _alive(att.pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     shutil.rmtree(att.state_dir, ignore_errors=True)

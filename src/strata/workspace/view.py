@@ -32,7 +32,7 @@ def snapshot_files(store: Store, volume: str, sid: str) -> Iterator[str]:
     where = os.path.join(top, "view")
     os.mkdir(where)
     try:
-        attach(url, token, volume, "live", where, snapshot=sid)
+        attach(url, token, volume, "live", where, snapshot=sid, owner=os.getpid())
         try:
             yield where
         finally:

@@ -118,12 +118,21 @@ class Host:
 
     def close(self) -> None:
         if getattr(self, "sleeper", None) is not None and self.sleeper.poll() is None:
+            # As in `lose`: a daemon that is the last process of this namespace would
+            # otherwise wait forever on itself to flush the filesystem it unmounts.
+            from strata.workspace.attach import abort_fuse, fuse_connections
+            try:
+                with open(f"/proc/{self.pid}/mountinfo") as f:
+                    conns = fuse_connections(f.read())
+            except OSError:
+                conns = []
             for pid in self.processes():
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             self.sleeper.wait(10)
+            abort_fuse(conns)
         subprocess.run(["ip", "link", "del", self.link], capture_output=True)
         subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
 

@@ -115,17 +115,31 @@ def _packs_bytes(store: str) -> int:
     return sum(os.path.getsize(os.path.join(packs, p)) for p in os.listdir(packs))
 
 
-def _resume(env: Env, name: str, d: str) -> float:
-    """Lose the host of `d`, then attach elsewhere and run the first `git status`."""
-    subprocess.run(["sync"], check=True)  # settle the host's own writeback before timing
-    env.lose(d)
-    t0 = time.perf_counter()
-    e, _ = env.attach(name, f"{name}-resumed")
-    subprocess.run(["git", "-C", os.path.join(e, "repo"), "status", "--short"],
-                   check=True, capture_output=True)
-    took = time.perf_counter() - t0
-    env.detach(e)
-    return took
+def _resume(env: Env, name: str, d: str, times: int = 3) -> tuple[float, float]:
+    """Lose the host of `d`, attach elsewhere, run the first `git status`.
+
+    Returns the median and the first (the loss right after the fill, with the
+    largest journal to replay).
+    Each round after the first attaches again and writes (a file, the index
+    `git status` refreshes) so that every loss leaves a journal to replay.
+    """
+    took = []
+    for i in range(times):
+        if i:
+            d, _ = env.attach(name, f"{name}-again{i}")
+            with open(os.path.join(d, "repo", f"round{i}"), "wb") as f:
+                f.write(os.urandom(1 << 20))
+            subprocess.run(["git", "-C", os.path.join(d, "repo"), "status", "--short"],
+                           check=True, capture_output=True)
+        subprocess.run(["sync"], check=True)  # settle the host's own writeback before timing
+        env.lose(d)
+        t0 = time.perf_counter()
+        e, _ = env.attach(name, f"{name}-resumed{i}")
+        subprocess.run(["git", "-C", os.path.join(e, "repo"), "status", "--short"],
+                       check=True, capture_output=True)
+        took.append(time.perf_counter() - t0)
+        env.detach(e)
+    return sorted(took)[len(took) // 2], took[0]
 
 
 def _fork(env: Env, name: str, n: int) -> float:
@@ -180,20 +194,26 @@ def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
         stored = _packs_bytes(env.store) - before
         rows.append(row("workspace: stored bytes per byte of files written (+ their git objects)",
                         stored / written, "x", None, "", "dedup + zstd", met=None))
-        resume_small = _resume(env, "dev", d)
+        resume_small, first_small = _resume(env, "dev", d)
         fork_small = _fork(env, "dev", 20)
         env.cli("workspace", "create", "big", "--size", "20G")
         b, _ = env.attach("big", "big")
         _fill_repo(b, small)   # the same repository, and nine times as much besides
         _fill_data(b, small * 9)
-        resume_big = _resume(env, "big", b)
+        resume_big, first_big = _resume(env, "big", b)
         fork_big = _fork(env, "big", 20)
-        rows.append(row(f"workspace: host lost -> attach -> first git status ({small} files)",
+        rows.append(row(f"workspace: host lost -> attach -> first git status ({small} files), "
+                        "median of 3",
                         resume_small, "s", None, "", "<= 1 s", met=resume_small <= 1))
         rows.append(row(f"workspace: the same, workspace 10x larger ({small * 10} files)",
                         resume_big,
                         "s", resume_small, f"{small} files", "<= 1.5x",
                         met=resume_big <= 1.5 * resume_small))
+        rows.append(row("workspace: the same, first loss only (right after the fill)", first_small,
+                        "s", None, "", "<= 1 s", met=first_small <= 1))
+        rows.append(row("workspace: the same, first loss only, 10x larger", first_big, "s",
+                        first_small, "smaller workspace", "<= 1.5x",
+                        met=first_big <= 1.5 * first_small))
         rows.append(row("workspace: fork (API call) p50", fork_small, "ms", None, "",
                         "<= 5 ms", met=fork_small <= 5))
         rows.append(row("workspace: fork, 10x larger p50", fork_big, "ms", fork_small,

@@ -122,9 +122,9 @@ class Host:
             # otherwise wait forever on itself to flush the filesystem it unmounts.
             from strata.workspace.attach import abort_fuse, fuse_connections
             try:
-                with open(f"/proc/{self.pid}/mountinfo") as f:
+                with open(f"/proc/{getattr(self, 'pid', 0)}/mountinfo") as f:
                     conns = fuse_connections(f.read())
-            except OSError:
+            except OSError:  # the sleeper never started: nothing was mounted
                 conns = []
             for pid in self.processes():
                 try:

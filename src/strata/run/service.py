@@ -445,6 +445,18 @@ def _check_common(raw: dict[str, Any]) -> None:
         raise Refused("umask must be an integer from 0 to 0o777")
 
 
+def _adopt_common(req: dict[str, Any]) -> None:
+    """Take on the client's umask, environment and working directory (`_check_common`).
+
+    The worker then acts as if the request ran in the client's own process.
+    """
+    os.umask(req["umask"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    with contextlib.suppress(OSError):
+        os.chdir(req["cwd"])
+
+
 def _check_mount(raw: dict[str, Any]) -> dict[str, Any]:
     """A `mount --background` request: REFs as [name, volume, branch, snapshot, ro]."""
     from strata.engine.names import check_branch, check_hex_id, check_volume
@@ -496,13 +508,7 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
     from strata.server.client import RemoteStore, default_socket
     if not _send(conn, {"event": "accepted"}):
         return 1
-    # The client's environment (the command's, the scratch and cache directories),
-    # umask and working directory, as if the step ran in its own process.
-    os.umask(step["umask"])
-    os.environ.clear()
-    os.environ.update(step["env"])
-    with contextlib.suppress(OSError):
-        os.chdir(step["cwd"])
+    _adopt_common(step)  # the command's environment, the scratch and cache directories
     log = os.dup(2)
     for target, fd in zip((0, 1, 2), fds, strict=True):
         os.dup2(fd, target)
@@ -562,11 +568,7 @@ def _mount(conn: socket.socket, req: dict[str, Any], store_dir: str, mounter: Pr
     from strata.server.client import RemoteStore, default_socket
     if not _send(conn, {"event": "accepted"}):
         return 1
-    os.umask(req["umask"])
-    os.environ.clear()
-    os.environ.update(req["env"])
-    with contextlib.suppress(OSError):
-        os.chdir(req["cwd"])
+    _adopt_common(req)
     url = "unix:" + default_socket(store_dir)
     try:
         if os.listdir(req["target"]):

@@ -21,6 +21,7 @@ import time
 from strata.engine.errors import StrataError
 from strata.mount.overlay import MountError, unmount
 from strata.mount.session import MountState, mount_overlays, teardown
+from strata.procs import alive
 from strata.server.client import RemoteStore
 
 # Set by the watcher when it starts discarding, and when it is done: unmounting the
@@ -281,14 +282,8 @@ def _keep_alive(store: RemoteStore, every: float) -> None:
 def _watch(pid: int, state: MountState) -> None:
     while True:
         time.sleep(0.2)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        except PermissionError:
-            continue
-        if _zombie(pid):
-            break  # dead, only not reaped yet by its parent
+        if not alive(pid):
+            break  # exited (perhaps not reaped yet by its parent)
         if not os.path.isdir(state.scratch):
             # Torn down by its owner, or swept: nothing of ours may stay mounted.
             with contextlib.suppress(Exception):
@@ -308,10 +303,3 @@ def _watch(pid: int, state: MountState) -> None:
     finally:
         _discarded.set()
 
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False

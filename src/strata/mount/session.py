@@ -42,6 +42,7 @@ from strata.mount.overlay import (
     sys_mount,
     unmount,
 )
+from strata.procs import alive
 
 MAX_INLINE_UPLOAD = 4 * 1024 * 1024
 
@@ -482,7 +483,7 @@ def teardown(state: MountState, *, lazy: bool = False) -> None:
         unmount(state.lower, lazy=True)
     if state.pid and state.pid != os.getpid():
         _wait_exit(state.pid, 5.0)
-        if process_alive(state.pid):
+        if alive(state.pid):
             with contextlib.suppress(OSError):
                 os.kill(state.pid, signal.SIGTERM)
     if not state.single and is_mountpoint(state.mountpoint):
@@ -522,7 +523,7 @@ def sweep_abandoned_steps(root: str | None = None) -> list[str]:
         runner = st.extra.get("runner")
         if "run" not in st.extra or not isinstance(runner, int):
             continue
-        if process_alive(runner) or (st.pid and process_alive(st.pid)):
+        if alive(runner) or (st.pid and alive(st.pid)):
             continue
         if any(mp == scratch or mp.startswith(scratch + "/") for mp in mounted):
             continue
@@ -539,7 +540,7 @@ def _wait_exit(pid: int, timeout: float) -> None:
     except OSError:
         fd = -1  # gone already, or no pidfds here: poll
     try:
-        while process_alive(pid) and (left := deadline - time.monotonic()) > 0:
+        while alive(pid) and (left := deadline - time.monotonic()) > 0:
             if fd >= 0:
                 select.select([fd], [], [], min(left, 0.1))
             else:
@@ -547,21 +548,3 @@ def _wait_exit(pid: int, timeout: float) -> None:
     finally:
         if fd >= 0:
             os.close(fd)
-
-
-def process_alive(pid: int) -> bool:
-    """True while `pid` runs; an exited process not yet reaped counts as gone.
-
-    The mount process is detached, so whoever adopts it reaps it, and some init
-    processes take a second or more: waiting for the reap doubled every unmount.
-    """
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-

@@ -29,12 +29,12 @@ from strata.mount.session import (
     commit,
     new_state,
     pending,
-    process_alive,
     scratch_root,
     sweep_abandoned_steps,
     teardown,
     upload_changes,
 )
+from strata.procs import alive
 from strata.run.sandbox import build_command, run_command
 from strata.run.spec import VolumeSpec
 
@@ -371,8 +371,7 @@ def _sweep_workspace_roots() -> None:
                 runner = int(f.read())
         except (OSError, ValueError):
             continue
-        if process_alive(runner) or any(mp == work or mp.startswith(work + "/")
-                                         for mp in mounted):
+        if alive(runner) or any(mp == work or mp.startswith(work + "/") for mp in mounted):
             continue
         _remove_root_work(work)
 

@@ -34,6 +34,7 @@ from strata.engine.errors import Forbidden, InvalidInput, NotFound, StrataError
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.objects import K_FILE, Entry, FileNode
 from strata.engine.tree import Trees
+from strata.procs import alive
 from strata.workspace import LAYOUT_PATH
 from strata.workspace.device import (
     SNAPSHOT_PATH,
@@ -439,7 +440,7 @@ def run_daemon(att: Attached, report: int | None) -> int:
             if not dev.fenced and not att.snapshot:
                 dev.flush()
                 store.release_lease(att.volume, att.branch, daemon.lease)
-        if att.owner and not _alive(att.owner):
+        if att.owner and not alive(att.owner):
             shutil.rmtree(att.state_dir, ignore_errors=True)  # nobody is left to detach
     return 0
 
@@ -459,7 +460,7 @@ def attach(server: str, token: str | None, volume: str, branch: str, directory: 
     att = Attached(volume, branch, directory, server, token, snapshot=snapshot, owner=owner)
     with contextlib.suppress(NotFound):
         old = Attached.load(directory)
-        if old.pid and _alive(old.pid):
+        if old.pid and alive(old.pid):
             raise InvalidInput(f"{directory} has a workspace attached (pid {old.pid})")
     shutil.rmtree(att.state_dir, ignore_errors=True)
     os.makedirs(att.state_dir, mode=0o700)
@@ -498,15 +499,6 @@ def attach(server: str, token: str | None, volume: str, branch: str, directory: 
             os.write(wfd, f"{type(exc).__name__}: {exc}".encode())
     finally:
         os._exit(code)
-
-
-def _alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie waiting to be reaped has finished)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def fuse_connections(mountinfo: str, fstype: str = "fuse.strata") -> list[int]:
@@ -568,19 +560,19 @@ def detach(directory: str, *, timeout: float = 60.0) -> None:
     what it left instead: nothing more reaches the workspace from here anyway.
     """
     att = Attached.load(directory)
-    if not att.pid or not _alive(att.pid):
+    if not att.pid or not alive(att.pid):
         _gone(att)
         return
     p = subprocess.run(["umount", att.dir], capture_output=True, text=True)
     if p.returncode != 0 and os.path.ismount(att.dir):
         raise InvalidInput(f"cannot detach {att.dir}: {p.stderr.strip()}")
-    if not att.snapshot and _alive(att.pid):
+    if not att.snapshot and alive(att.pid):
         with contextlib.suppress(StrataError, OSError, ValueError):
             _ask(att, {"op": "trim"})  # free blocks become holes; keeping them is safe too
     deadline = time.monotonic() + timeout
     if not _release_device(os.path.join(att.state_dir, "dev"), deadline):
         raise InvalidInput(f"the device of {att.dir} stays busy")
-    while att.pid and _alive(att.pid) and time.monotonic() < deadline:
+    while att.pid and alive(att.pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     shutil.rmtree(att.state_dir, ignore_errors=True)
 
@@ -589,7 +581,7 @@ def snapshot(store: Store, volume: str, branch: str, message: str) -> str:
     """A named snapshot: through the daemon when attached here, else of the head."""
     for att in attached():
         if (att.volume, att.branch) == (volume, branch) and not att.snapshot \
-                and _alive(att.pid):
+                and alive(att.pid):
             return str(_ask(att, {"op": "snapshot", "message": message})["head"])
     head = store.head(volume, branch)
     read_layout(store, head)

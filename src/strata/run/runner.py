@@ -182,7 +182,6 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
     if mounter is None:
         mounter = Prepared(watch_pid=os.getpid())
     sweep_abandoned_steps()  # what runners killed at the wrong moment left behind
-    _sweep_workspace_roots()
     ws_root = _WorkspaceRoot(store, *root, run_id) if root is not None else None
     try:
         for spec in specs:
@@ -281,7 +280,7 @@ class _WorkspaceRoot:
     removes the scratch must never reach into a workspace still mounted. This
     process owns the attach: if it dies, the attach daemon detaches by itself
     (which flushes) once the command's processes, which die with it, are gone,
-    and the next step's sweep removes the directory.
+    and the next step with a workspace root sweeps the directory.
     """
 
     def __init__(self, store: Store, volume: str, branch: str, run_id: str) -> None:
@@ -289,6 +288,7 @@ class _WorkspaceRoot:
         if not isinstance(store, RemoteStore):
             raise StrataError("a workspace root needs a store server")
         self.store, self.volume, self.branch = store, volume, branch
+        _sweep_workspace_roots()  # what earlier runners of `--root` that died left
         self.work = os.path.join(scratch_root(), f"root-{run_id}")
         self.dir = os.path.join(self.work, "root")
         self.attached = False
@@ -387,7 +387,6 @@ def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,
     which flushes it. `run_step(..., root=...)` adds volumes beside it.
     """
     t0 = time.monotonic()
-    _sweep_workspace_roots()
     run_id = uuid.uuid4().hex[:12]
     result = StepResult(run_id, 0)
     with _WorkspaceRoot(store, volume, branch, run_id) as root:

@@ -18,6 +18,8 @@ from strata.cli.common import (
 )
 from strata.engine.errors import InvalidInput
 
+DEFAULT_PIDS = 4096  # run/sandbox.py's DEFAULT_PIDS (not imported: the CLI starts light)
+
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
@@ -27,15 +29,31 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                     "nothing. SPEC is NAME[@BRANCH][:ro|:rw][:exclusive][:run].")
     p.add_argument("-v", "--volume", action="append", default=[], dest="specs",
                    metavar="SPEC", help="a volume for the step (repeatable)")
-    p.add_argument("--sandbox", choices=("none", "bwrap", "gvisor"), default="bwrap")
+    p.add_argument("--sandbox", choices=("none", "bwrap", "gvisor"), default="bwrap",
+                   help="bwrap (default) or gvisor: a fresh root, an unprivileged identity on "
+                        "the host, nothing of the host reachable (docs/sandbox.md); none: "
+                        "runs CMD as you, on the host, with everything you can reach; only "
+                        "for trusted code")
     p.add_argument("--timeout", type=float, default=None, metavar="S")
     p.add_argument("--memory", type=parse_size, default=None, metavar="BYTES",
                    help="memory limit (suffixes K, M, G allowed)")
-    p.add_argument("--network", action="store_true", help="allow network access")
+    p.add_argument("--pids", type=int, default=DEFAULT_PIDS, metavar="N",
+                   help=f"processes and threads the step may have at once (default "
+                        f"{DEFAULT_PIDS}); a fork bomb fails the step, nothing else")
+    p.add_argument("--disk", type=parse_size, default=None, metavar="BYTES",
+                   help="room for the step's writes to its volumes (suffixes K, M, G); "
+                        "past it writes fail with ENOSPC inside (default: the scratch "
+                        "filesystem's free space)")
+    p.add_argument("--network", action="store_true",
+                   help="share the host's network (default: loopback of its own only)")
     p.add_argument("--root", metavar="ws:NAME[@BRANCH]", default=None,
                    help="a workspace as the sandbox's whole root filesystem (durable, "
                         "not a transaction: what the command writes stays); volumes given "
                         "with -v are at /storage in it, published on exit 0 as in any step")
+    p.add_argument("--image", metavar="VOLUME[@BRANCH]", default=None,
+                   help="the sandbox's root filesystem from a volume (e.g. one that "
+                        "`strata import` filled from mmdebstrap), read lazily as of the "
+                        "step's start; what the step changes in it is thrown away")
     p.add_argument("-m", "--message", default=None)
     p.add_argument("--merge-identical", action="store_true",
                    help="accept a path the head already holds exactly as this step left it; by "
@@ -56,10 +74,13 @@ def _run_root(args: argparse.Namespace, argv: list[str]) -> int:
         raise InvalidInput("--root takes a workspace branch, not a snapshot")
     if args.specs:  # volumes at /storage in the workspace root: a step beside it
         return _run(args, argv, root=(ref.volume, ref.branch or "live"))
+    if args.disk is not None:
+        raise InvalidInput("--disk limits a step's writes to its volumes; a workspace root "
+                           "has its own size (strata workspace create --size)")
     with open_remote(args) as store:
         result = run_in_workspace(store, ref.volume, ref.branch or "live", argv,
                                   sandbox=args.sandbox, timeout=args.timeout,
-                                  memory=args.memory, network=args.network)
+                                  memory=args.memory, network=args.network, pids=args.pids)
     if args.json:
         print_json({"status": result.status, "run": result.run_id, "head":
                     result.published.get(ref.volume), "timed_out": result.timed_out,
@@ -74,6 +95,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not argv:
         raise InvalidInput("no command given (strata run -v VOL -- CMD ...)")
     if args.root is not None:
+        if args.image is not None:
+            raise InvalidInput("give --root or --image, not both")
         return _run_root(args, argv)
     if not args.specs:  # a step is a transaction over volumes: name at least one
         raise InvalidInput("no volume given (strata run -v VOL -- CMD ..., "
@@ -87,8 +110,9 @@ def _run(args: argparse.Namespace, argv: list[str], root: tuple[str, str] | None
          ) -> int:
     """The step in this process (a workspace root, --server, or STRATA_RUN_IN_PROCESS=1)."""
     from strata.run.runner import run_step
-    from strata.run.spec import parse_spec
+    from strata.run.spec import parse_image, parse_spec
     specs = [parse_spec(s) for s in args.specs]
+    image = parse_image(args.image) if args.image is not None else None
     if len({s.volume for s in specs}) != len(specs):
         raise InvalidInput("a volume appears twice")
     if root is not None and root[0] in {s.volume for s in specs}:
@@ -96,7 +120,8 @@ def _run(args: argparse.Namespace, argv: list[str], root: tuple[str, str] | None
     with open_remote(args) as store:
         result = run_step(store, specs, argv, sandbox=args.sandbox, timeout=args.timeout,
                           memory=args.memory, network=args.network, message=args.message,
-                          identical=args.merge_identical, root=root)
+                          identical=args.merge_identical, root=root, pids=args.pids,
+                          disk=args.disk, image=image)
     return _report(args, result.to_json())
 
 
@@ -113,6 +138,7 @@ def _via_service(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     return client.call(store, {
         "argv": argv, "specs": list(args.specs), "sandbox": args.sandbox,
         "timeout": args.timeout, "memory": args.memory, "network": args.network,
+        "pids": args.pids, "disk": args.disk, "image": args.image,
         "message": args.message, "identical": args.merge_identical})
 
 

@@ -35,6 +35,7 @@ finally:
     ctypes.util.find_library = _real_find_library
 
 from strata.engine.objects import K_DIR, K_FILE, FileNode  # noqa: E402
+from strata.mount.idshift import shift  # noqa: E402
 from strata.mount.vfs import FsError, Node, SnapshotFS  # noqa: E402
 
 T = TypeVar("T")
@@ -120,9 +121,10 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
 
-    def __init__(self, fs: SnapshotFS) -> None:
+    def __init__(self, fs: SnapshotFS, id_shift: int = 0) -> None:
         super().__init__()
         self.fs = fs
+        self.id_shift = id_shift  # owners as a sandboxed step's host view shows them
         self._dirs: dict[int, list[tuple[bytes, Node]]] = {}
         self._files: dict[int, tuple[int, FileNode | None]] = {}
         self._next_fh = 1
@@ -142,8 +144,12 @@ class Operations(pyfuse3.Operations):
         a.attr_timeout = CACHE_SECONDS
         a.st_mode = e.st_mode
         a.st_nlink = e.nlink if e.kind == K_FILE else (2 if e.kind == K_DIR else 1)
-        a.st_uid = e.uid
-        a.st_gid = e.gid
+        if self.id_shift:
+            a.st_uid = shift(e.uid, self.id_shift)
+            a.st_gid = shift(e.gid, self.id_shift)
+        else:
+            a.st_uid = e.uid
+            a.st_gid = e.gid
         a.st_rdev = e.rdev
         a.st_size = e.size
         a.st_blksize = 65536
@@ -243,13 +249,13 @@ class Operations(pyfuse3.Operations):
 
 
 def run(fs: SnapshotFS, mountpoint: str, *, fsname: str = "strata",
-        on_ready: Callable[[], None] | None = None) -> None:
-    """Mount and serve until unmounted (blocks)."""
+        on_ready: Callable[[], None] | None = None, id_shift: int = 0) -> None:
+    """Mount and serve until unmounted (blocks); owners shown plus `id_shift` (idshift.py)."""
     options = set(pyfuse3.default_options)
     options |= {f"fsname={fsname}", "ro", "allow_other", "subtype=strata"}
     options.discard("default_permissions")
     options.add("default_permissions")
-    ops = Operations(fs)
+    ops = Operations(fs, id_shift)
     target = os.path.realpath(mountpoint)
     pyfuse3.init(ops, mountpoint, options)
     ops.tuner = _ReadAheadTuner(target)

@@ -36,6 +36,7 @@ from strata.engine.objects import (
     object_id,
 )
 from strata.engine.tree import Trees, encode_name
+from strata.mount.idshift import unshift
 from strata.mount.statcache import Key, StatCache, stat_key
 
 OVERLAY_PREFIX = b"trusted.overlay."  # overlayfs' own markers, never published
@@ -48,7 +49,7 @@ class MountError(StrataError):
     """A mount or unmount system call failed."""
 
 
-MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND = 1, 2, 4, 32, 4096
 MNT_DETACH = 2
 
 
@@ -79,17 +80,18 @@ def _libc() -> Any:
 
 
 def mount_overlay(lower: str, upper: str, work: str, target: str, *,
-                  volatile: bool = False) -> None:
+                  volatile: bool = False, secure: bool = False) -> None:
     """Mount overlayfs on `target`; `volatile` skips every sync of the upper directory.
 
     Only for a scratch that is thrown away whenever its process dies (a
     step's): syncs there buy nothing, and the one at unmount writes back the
-    upper filesystem.
+    upper filesystem. `secure` mounts it nosuid and nodev: a setuid file or a
+    device node in the volume is then only bytes (a step's volumes).
     """
     _adopt_root(lower, upper)
     opts = f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}"
-    sys_mount("strata", target, "overlay", 0, opts + (",volatile" if volatile else ""),
-              "overlay mount")
+    sys_mount("strata", target, "overlay", MS_NOSUID | MS_NODEV if secure else 0,
+              opts + (",volatile" if volatile else ""), "overlay mount")
 
 
 def _adopt_root(lower: str, upper: str) -> None:
@@ -115,14 +117,23 @@ def unmount(target: str, *, lazy: bool = False) -> None:
         raise MountError(f"unmount of {target} failed: {os.strerror(err)}")
 
 
-def is_mountpoint(path: str) -> bool:
-    real = os.path.realpath(path)
+def mount_points() -> list[str]:
+    """Every mount point of this mount namespace, in mount order."""
     with open("/proc/self/mountinfo") as f:
-        for line in f:
-            mp = line.split()[4].encode().decode("unicode_escape")
-            if mp == real:
-                return True
-    return False
+        return [line.split()[4].encode().decode("unicode_escape") for line in f]
+
+
+def is_mountpoint(path: str) -> bool:
+    return os.path.realpath(path) in mount_points()
+
+
+def unmount_under(path: str) -> None:
+    """Lazily unmount `path` and everything mounted below it, deepest first."""
+    real = os.path.realpath(path)
+    for mp in reversed(mount_points()):
+        if mp == real or mp.startswith(real + "/"):
+            with contextlib.suppress(MountError):
+                unmount(mp, lazy=True)
 
 
 HELD_BYTES = 64 * 1024 * 1024  # new blocks a scan keeps in memory; the rest are read back
@@ -228,11 +239,19 @@ class UpperScanner:
     """
 
     def __init__(self, trees: Trees, lower_root: Entry, block_size: int,
-                 cache: StatCache | None = None) -> None:
+                 cache: StatCache | None = None, id_shift: int = 0) -> None:
         self.trees = trees
         self.lower_root = lower_root
         self.block_size = block_size
         self.cache = cache  # entries of files unchanged since they were published
+        self.id_shift = id_shift  # a sandboxed step's id range (mount/idshift.py)
+
+    def _entry(self, real: str, st: os.stat_result, **kw: Any) -> Entry:
+        """The entry of an upper file, its owners as stored (not as the step's view shifts them)."""
+        e = localfile.entry(real, st, exclude=OVERLAY_PREFIX, **kw)
+        if not self.id_shift:
+            return e
+        return e.with_(uid=unshift(e.uid, self.id_shift), gid=unshift(e.gid, self.id_shift))
 
     def scan(self, upper: str) -> Scan:
         out = Scan()
@@ -241,7 +260,7 @@ class UpperScanner:
         redirects: list[tuple[str, tuple[str, ...]]] = []  # (path, lower source)
         self._walk(upper, "", self.lower_root, (), out, links, touched, redirects)
         # The upper root is the mount's root (see _adopt_root).
-        root = localfile.entry(upper, os.lstat(upper), exclude=OVERLAY_PREFIX)
+        root = self._entry(upper, os.lstat(upper))
         if root.attrs() != self.lower_root.attrs() or root.mtime_ns != self.lower_root.mtime_ns:
             out.changes[""] = root  # path "" is the root: attributes only
         for paths in links.values():  # hard links made inside the mount
@@ -302,7 +321,7 @@ class UpperScanner:
              lower_parent_parts: tuple[str, ...] | None, lower_parts: tuple[str, ...] | None,
              out: Scan, links: dict[int, list[str]],
              touched: set[int], redirects: list[tuple[str, tuple[str, ...]]]) -> None:
-        mine = localfile.entry(real, st, exclude=OVERLAY_PREFIX)
+        mine = self._entry(real, st)
         opaque = localfile.read_xattr(real, OPAQUE) == b"y"
         redirect = localfile.read_xattr(real, REDIRECT)
         if redirect is not None:
@@ -341,7 +360,7 @@ class UpperScanner:
               keep: bool = False) -> Entry | None:
         """A non-directory's entry (None for a file equal to `lower`, unless `keep`)."""
         if not statmod.S_ISREG(st.st_mode):
-            return localfile.entry(real, st, exclude=OVERLAY_PREFIX)
+            return self._entry(real, st)
         key = stat_key(st)
         hit = self.cache.get(path, key) if self.cache is not None else None
         if hit is not None:
@@ -374,10 +393,10 @@ class UpperScanner:
 
         content = localfile.file_content(real, size, bs, put)
         if not isinstance(content, FileNode):
-            return localfile.entry(real, st, exclude=OVERLAY_PREFIX, size=size, data=content)
+            return self._entry(real, st, size=size, data=content)
         node = content.encode()
         ref = object_id(FILENODE, node)
-        e = localfile.entry(real, st, exclude=OVERLAY_PREFIX, size=size, ref=ref)
+        e = self._entry(real, st, size=size, ref=ref)
         if _same_file(e, lower):
             return e  # the snapshot's own file: nothing to upload
         lower_blocks: set[bytes] = set()

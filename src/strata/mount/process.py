@@ -226,7 +226,8 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
         threading.Thread(target=overlay_up, daemon=True).start()
 
     try:
-        fuse.run(fs, state.lower, fsname=f"strata:{state.volumes[0].volume}", on_ready=ready)
+        fuse.run(fs, state.lower, fsname=f"strata:{state.volumes[0].volume}", on_ready=ready,
+                 id_shift=int(state.extra.get("id_shift", 0)))
     except KeyboardInterrupt:
         pass
     if _discarding.is_set():

@@ -17,6 +17,7 @@ import os
 import select
 import shutil
 import signal
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field, fields
@@ -31,6 +32,8 @@ from strata.engine.tree import Trees, encode_name
 from strata.mount import statcache
 from strata.mount.overlay import (
     MS_BIND,
+    MS_NODEV,
+    MS_NOSUID,
     MS_RDONLY,
     MS_REMOUNT,
     MountError,
@@ -39,8 +42,10 @@ from strata.mount.overlay import (
     UpperScanner,
     is_mountpoint,
     mount_overlay,
+    mount_points,
     sys_mount,
     unmount,
+    unmount_under,
 )
 from strata.procs import alive
 
@@ -59,6 +64,9 @@ class VolumeState:
     pinned: str        # the snapshot the lower view shows, for the mount's whole life
     base: str          # the snapshot this mount last published (or pinned)
     readonly: bool = False
+    # A step's image: writable through a layer that is thrown away, never committed,
+    # mounted beside the volumes (at the mount point's sibling "root"), not among them.
+    throwaway: bool = False
     published: dict[str, str] = field(default_factory=dict)  # path -> digest, last commit
 
 
@@ -78,13 +86,21 @@ class MountState:
         return os.path.join(self.scratch, "lower")
 
     def upper(self, v: VolumeState) -> str:
-        return os.path.join(self.scratch, "upper", v.name or "_")
+        # "rw": a filesystem of its own for the writes (a step's --disk), under scratch.
+        return os.path.join(self.scratch, self.extra.get("rw", ""), "upper", v.name or "_")
 
     def work(self, v: VolumeState) -> str:
-        return os.path.join(self.scratch, "work", v.name or "_")
+        return os.path.join(self.scratch, self.extra.get("rw", ""), "work", v.name or "_")
 
     def target(self, v: VolumeState) -> str:
+        if v.throwaway:
+            return os.path.join(os.path.dirname(self.mountpoint), "root")
         return self.mountpoint if self.single else os.path.join(self.mountpoint, v.name)
+
+    @property
+    def committed(self) -> list[VolumeState]:
+        """The volumes a commit publishes: writable ones that are not a throwaway layer."""
+        return [v for v in self.volumes if not v.readonly and not v.throwaway]
 
     def index(self, v: VolumeState) -> str:
         """The volume's stat cache (mount/statcache.py): what its last commit read."""
@@ -186,10 +202,13 @@ def find_mount(mountpoint: str) -> MountState:
 def mount_overlays(state: MountState) -> None:
     """Put overlayfs over the FUSE view for every writable volume (FUSE must be up)."""
     done: list[str] = []
+    step = "run" in state.extra
+    # A step's volumes never raise privilege: setuid bits and device nodes are bytes.
+    secure = MS_NOSUID | MS_NODEV if step else 0
     try:
         if not state.single:
             # Volumes appear as DIR/NAME on a small private tmpfs, gone with the mount.
-            sys_mount("strata-root", state.mountpoint, "tmpfs", 0, "size=1m,mode=0755",
+            sys_mount("strata-root", state.mountpoint, "tmpfs", secure, "size=1m,mode=0755",
                       "mounting the volume directory")
             done.append(state.mountpoint)
         for v in state.volumes:
@@ -201,7 +220,7 @@ def mount_overlays(state: MountState) -> None:
             else:
                 # A step's scratch goes whenever its runner dies: no sync of it helps.
                 mount_overlay(state.lower_of(v), state.upper(v), state.work(v), target,
-                              volatile="run" in state.extra)
+                              volatile=step, secure=step)
             done.append(target)
     except BaseException:
         for t in reversed(done):
@@ -237,7 +256,8 @@ def scan_volume(store: Store, state: MountState, v: VolumeState, *,
         if dev == os.lstat(upper).st_dev:  # else its clock is not the upper files' clock
             stamp_ns = now
             known = statcache.load(index, volume=v.volume, pinned=v.pinned, base=v.base)
-    scan = UpperScanner(trees, lower_root, store.block_size, known).scan(upper)
+    scan = UpperScanner(trees, lower_root, store.block_size, known,
+                        int(state.extra.get("id_shift", 0))).scan(upper)
     scan.stamp_ns = stamp_ns
     scan.known = known
     scan.cache_ignored = known.ignored if known is not None else ""
@@ -350,7 +370,7 @@ def commit(store: Store, state: MountState, *, message: str = "",
     mount, committed once and dropped, has no use for it).
     """
     t0 = time.monotonic()
-    todo = [v for v in state.volumes if not v.readonly and (names is None or v.name in names)]
+    todo = [v for v in state.committed if names is None or v.name in names]
     work = [(v, *pending(store, state, v, cache=remember)) for v in todo]
     changesets = []
     objects: dict[bytes, ObjectSet] = {}  # id -> the scan that can read it
@@ -464,7 +484,7 @@ def status(store: Store, state: MountState) -> dict[str, Any]:
 
 
 def has_uncommitted(store: Store, state: MountState) -> bool:
-    return any(pending(store, state, v)[0] for v in state.volumes if not v.readonly)
+    return any(pending(store, state, v)[0] for v in state.committed)
 
 
 def teardown(state: MountState, *, lazy: bool = False) -> None:
@@ -488,7 +508,58 @@ def teardown(state: MountState, *, lazy: bool = False) -> None:
                 os.kill(state.pid, signal.SIGTERM)
     if not state.single and is_mountpoint(state.mountpoint):
         unmount(state.mountpoint, lazy=True)  # the tmpfs holding DIR/NAME
+    stage = state.extra.get("stage")
+    if isinstance(stage, str) and stage:
+        remove_stage(stage)
+    _unmount_rw(state)
     shutil.rmtree(state.scratch, ignore_errors=True)
+
+
+def limit_writes(state: MountState, size: int) -> None:
+    """Put the mount's upper and work directories on an ext4 filesystem of `size` bytes.
+
+    A sparse image in the scratch directory, mounted nosuid,nodev on
+    scratch/rw: a step that fills it gets ENOSPC and fails; the disk around
+    it keeps its free space.
+    """
+    image = os.path.join(state.scratch, "rw.img")
+    rw = os.path.join(state.scratch, "rw")
+    os.mkdir(rw, 0o700)
+    with open(os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+        f.truncate(size)
+    for argv in (["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-m", "0", "-E",
+                  "nodiscard,lazy_itable_init=1", image],
+                 ["mount", "-o", "loop,nosuid,nodev,noatime", image, rw]):
+        p = subprocess.run(argv, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise MountError(f"making the step's {size}-byte disk: {argv[0]}: "
+                             f"{p.stderr.strip()}")
+    os.chmod(rw, 0o700)
+    state.extra["rw"] = "rw"
+    for v in state.volumes:
+        os.makedirs(state.upper(v), mode=0o755)
+        os.makedirs(state.work(v), mode=0o700)
+
+
+def _unmount_rw(state: MountState) -> None:
+    if state.extra.get("rw"):
+        rw = os.path.join(state.scratch, "rw")
+        if is_mountpoint(rw):
+            with contextlib.suppress(MountError):
+                unmount(rw, lazy=True)  # the loop device goes with it (autoclear)
+
+
+def remove_stage(stage: str) -> None:
+    """Remove a step's staging directory (what its sandbox is built from), unmounting first.
+
+    Nothing is removed while anything is still mounted beneath it: a removal
+    must never reach into a workspace or a volume.
+    """
+    unmount_under(stage)
+    real = os.path.realpath(stage)
+    if any(mp == real or mp.startswith(real + "/") for mp in mount_points()):
+        return
+    shutil.rmtree(stage, ignore_errors=True)
 
 
 SWEEP_AFTER = 5.0  # seconds a step scratch must have been left alone before a sweep
@@ -510,8 +581,6 @@ def sweep_abandoned_steps(root: str | None = None) -> list[str]:
         names = os.listdir(root)
     except OSError:
         return []
-    with open("/proc/self/mountinfo") as f:
-        mounted = [line.split()[4] for line in f]
     for mid in names:
         scratch = os.path.join(root, mid)
         try:
@@ -525,8 +594,12 @@ def sweep_abandoned_steps(root: str | None = None) -> list[str]:
             continue
         if alive(runner) or (st.pid and alive(st.pid)):
             continue
-        if any(mp == scratch or mp.startswith(scratch + "/") for mp in mounted):
+        _unmount_rw(st)  # a --disk filesystem: nobody else can be using it now
+        if any(mp == scratch or mp.startswith(scratch + "/") for mp in mount_points()):
             continue
+        stage = st.extra.get("stage")
+        if isinstance(stage, str) and stage:
+            remove_stage(stage)
         shutil.rmtree(scratch, ignore_errors=True)
         removed.append(scratch)
     return removed

@@ -30,7 +30,7 @@ from typing import Any
 
 from strata.engine.errors import StrataError, Unavailable
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: steps carry a process limit ("pids")
 SOCKET_NAME = "steps.sock"
 SERVER_SOCKET = "serve.sock"  # the store's server (server/client.py's SOCKET_NAME)
 LOCK_NAME = "steps.lock"

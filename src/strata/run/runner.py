@@ -19,24 +19,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from strata.engine.errors import Conflict, Expired, StrataError, Unavailable
+from strata.engine.errors import Conflict, Expired, InvalidInput, StrataError, Unavailable
 from strata.engine.interface import ChangeSet, Store
 from strata.mount.cache import trim_if_due
+from strata.mount.overlay import unmount_under
 from strata.mount.session import (
     SWEEP_AFTER,
     MountState,
     VolumeState,
     commit,
+    limit_writes,
     new_state,
     pending,
+    remove_stage,
     scratch_root,
     sweep_abandoned_steps,
     teardown,
     upload_changes,
 )
 from strata.procs import alive
-from strata.run.sandbox import build_command, run_command
-from strata.run.spec import VolumeSpec
+from strata.run.identity import STEPS_DIR, IdRange, UserNamespace, idmapped_mount, make_stage
+from strata.run.sandbox import DEFAULT_PIDS, Jail, build_command, run_command
+from strata.run.spec import IMAGE_NAME, VolumeSpec
 
 if TYPE_CHECKING:
     from strata.mount.process import Prepared
@@ -152,7 +156,8 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
              mounter_env: bool = False,
              on_publish: Callable[[], None] | None = None,
              on_done: Callable[[StepResult], None] | None = None,
-             root: tuple[str, str] | None = None) -> StepResult:
+             root: tuple[str, str] | None = None, pids: int | None = DEFAULT_PIDS,
+             disk: int | None = None, image: VolumeSpec | None = None) -> StepResult:
     """Run `argv` as one transaction over `specs` (see the module docstring).
 
     `mounter` is a mount process forked already (the step service forks it
@@ -166,11 +171,19 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
     durable, not part of the transaction: it is detached (flushed) when the
     command ends, whatever its status, and only then are the volumes
     published (exit 0) or dropped.
+
+    With `image` (a volume holding a root filesystem) the sandbox's root is
+    that volume as of the step's start, mounted lazily like any volume, with
+    a writable layer that is thrown away: only the volumes persist.
     """
+    if image is not None and root is not None:
+        raise InvalidInput("give a workspace root or an image, not both")
     from strata.mount.process import Prepared
     from strata.server.client import RemoteStore
     if not isinstance(store, RemoteStore):
         raise StrataError("steps need a store server (the mount process reads through it)")
+    if disk is not None and not 1 << 20 <= disk <= 1 << 50:
+        raise InvalidInput("--disk takes 1M to 1P bytes")
     t0 = time.monotonic()
     run_id = uuid.uuid4().hex[:12]
     result = StepResult(run_id, 0)
@@ -183,6 +196,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         mounter = Prepared(watch_pid=os.getpid())
     sweep_abandoned_steps()  # what runners killed at the wrong moment left behind
     ws_root = _WorkspaceRoot(store, *root, run_id) if root is not None else None
+    jail = StepJail(sandbox, run_id)
     try:
         for spec in specs:
             if spec.exclusive and not spec.run_scoped:
@@ -190,9 +204,9 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
                                lease_wait)
         # One instant for every volume: a multi-volume publish is seen whole or not at
         # all (heads read one by one could fall between its branches).
-        pinned = _pinned_heads(store, specs, leases)
+        pinned = _pinned_heads(store, specs + ([image] if image is not None else []), leases)
         vols = []
-        for spec, head in zip(specs, pinned, strict=True):
+        for spec, head in zip(specs, pinned[:len(specs)], strict=True):
             branch = spec.branch
             if spec.run_scoped:
                 branch = f"run/{run_id}"
@@ -202,16 +216,22 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
                                    lease_wait)
             vols.append(VolumeState(spec.name, spec.volume, branch, head, head,
                                     readonly=not spec.writable))
+        if image is not None:
+            vols.append(VolumeState(IMAGE_NAME, image.volume, image.branch, pinned[-1],
+                                    pinned[-1], throwaway=True))
         leases.start()
         # Everything of the step lives in the mount's scratch directory (the volume
         # directory, the OCI bundle, runsc's state), so the mount process's teardown
         # removes it all when this runner dies.
-        state = st = new_state(os.path.join(scratch_root(), "_"), store.url, vols,
-                               single=False, extra={"run": run_id, "runner": os.getpid()},
-                               save=False)
-        storage = os.path.join(st.scratch, "storage")
+        jail.open()
+        storage = os.path.join(jail.stage, "storage")
         os.mkdir(storage, 0o755)
-        st.mountpoint = storage
+        extra: dict[str, Any] = {"run": run_id, "runner": os.getpid(), "stage": jail.stage}
+        if jail.id_base:
+            extra["id_shift"] = jail.id_base  # the mount shows owners as the step's ids
+        state = st = new_state(storage, store.url, vols, single=False, extra=extra, save=False)
+        if disk is not None:
+            limit_writes(st, disk)  # the step's writes on a filesystem of that size
         st.extra["token"] = store.token
         st.save()
         error = mounter.go(st, dict(os.environ) if mounter_env else None)
@@ -221,12 +241,15 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         # again (a sweep must see that someone still owns this scratch).
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             st.pid = type(st).load(st.scratch).pid
+        if image is not None:
+            jail.show_root(st.target(vols[-1]), throwaway=True)
         if ws_root is not None:
             ws_root.attach()
             os.makedirs(os.path.join(ws_root.dir, "storage"), exist_ok=True)  # mount point
-        cmd, env = build_command(sandbox, argv, storage, network=network,
-                                 workdir=state.scratch, run_id=run_id, memory=memory,
-                                 root=ws_root.dir if ws_root is not None else None)
+            jail.show_root(ws_root.dir)
+        launch = build_command(sandbox, argv, storage, network=network,
+                               workdir=state.scratch, run_id=run_id, memory=memory,
+                               jail=jail.jail, pids=pids)
         result.timings["start"] = time.monotonic() - t0
         t1 = time.monotonic()
 
@@ -235,8 +258,11 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
             st.extra["pgid"] = pgid
             st.save()
 
-        outcome = run_command(cmd, env, cwd=storage, timeout=timeout, memory=memory,
-                              cgroup_name=f"strata-{run_id}", on_start=started)
+        try:
+            outcome = run_command(launch, cwd=storage, timeout=timeout, memory=memory,
+                                  pids=pids, cgroup_name=f"strata-{run_id}", on_start=started)
+        finally:
+            jail.started()
         t2 = time.monotonic()
         state.extra.pop("pgid", None)
         state.save()
@@ -245,6 +271,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
                                                        outcome.oom)
         if result.timed_out:
             result.status = 124  # as coreutils timeout(1) reports it
+        jail.hide_root()  # before the workspace's own unmount, which it would hold up
         root_head = ws_root.detach() if ws_root is not None else None
         if result.status == 0:
             if leases.lost:
@@ -259,18 +286,97 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
             on_done(result)
         return result
     finally:
+        jail.hide_root()
         if ws_root is not None:
             ws_root.close()
         mounter.cancel()  # a mount process never handed a state exits
         if state is not None:
             with contextlib.suppress(Exception):
-                teardown(state, lazy=True)
+                teardown(state, lazy=True)  # also removes the stage
+        jail.close()
         leases.release()
         if state is not None:
             shutil.rmtree(state.scratch, ignore_errors=True)
             # Step mounts do not measure the content cache: keep it bounded from here.
             with contextlib.suppress(OSError):
                 trim_if_due()
+
+
+class StepJail:
+    """The runner's side of a step's sandbox: its staging directory, id range, namespace.
+
+    A bwrap step gets a host id range of its own and a user namespace over
+    it, and its staging directory belongs to that range's root; a workspace
+    root is shown to it through an idmapped mount in that directory. gVisor
+    and `none` steps get the staging directory alone (root's, 0700).
+    """
+
+    def __init__(self, sandbox: str, run_id: str) -> None:
+        self.sandbox, self.run_id = sandbox, run_id
+        self.jail: Jail | None = None
+        self._ids: IdRange | None = None
+        self._userns: UserNamespace | None = None
+        self._view: str | None = None
+
+    @property
+    def stage(self) -> str:
+        assert self.jail is not None
+        return self.jail.stage
+
+    @property
+    def id_base(self) -> int:
+        return self.jail.id_base if self.jail is not None else 0
+
+    def open(self) -> None:
+        if self.sandbox == "bwrap":
+            self._ids = IdRange.allocate()
+            self._userns = UserNamespace(self._ids.base)
+            stage = make_stage(self.run_id, self._ids.base)
+            self.jail = Jail(stage, self._userns.path, self._ids.base)
+        else:
+            self.jail = Jail(make_stage(self.run_id, None))
+
+    def show_root(self, root_dir: str, *, throwaway: bool = False) -> None:
+        """Make the mounted filesystem at `root_dir` the sandbox's root.
+
+        A `throwaway` root (an image's overlay, in the stage already, owners
+        shifted like the volumes') is used as it is; a workspace is shown to
+        a bwrap step through an idmapped mount.
+        """
+        assert self.jail is not None
+        if throwaway or self._userns is None:
+            # (gVisor's gofer serves a workspace as it is)
+            self.jail.root, self.jail.root_overlay = root_dir, throwaway
+            return
+        view = os.path.join(self.jail.stage, "root")
+        os.mkdir(view, 0o755)
+        idmapped_mount(root_dir, view, self._userns.fd)
+        self._view = self.jail.root = view
+
+    def started(self) -> None:
+        """The command has its descriptors: ours can go."""
+        if self.jail is not None:
+            for fd in self.jail.fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self.jail.fds.clear()
+
+    def hide_root(self) -> None:
+        if self._view is not None:
+            unmount_under(self._view)
+            self._view = None
+
+    def close(self) -> None:
+        self.started()
+        self.hide_root()
+        if self.jail is not None:
+            remove_stage(self.jail.stage)
+        if self._userns is not None:
+            self._userns.close()
+            self._userns = None
+        if self._ids is not None:
+            self._ids.close()
+            self._ids = None
 
 
 class _WorkspaceRoot:
@@ -373,12 +479,15 @@ def _sweep_workspace_roots() -> None:
             continue
         if alive(runner) or any(mp == work or mp.startswith(work + "/") for mp in mounted):
             continue
+        # The staging directory of the step that made it (named by its run id).
+        remove_stage(os.path.join(STEPS_DIR, name.removeprefix("root-")))
         _remove_root_work(work)
 
 
 def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,
                      sandbox: str = "bwrap", timeout: float | None = None,
-                     memory: int | None = None, network: bool = False) -> StepResult:
+                     memory: int | None = None, network: bool = False,
+                     pids: int | None = DEFAULT_PIDS) -> StepResult:
     """Run `argv` with an attached workspace as the sandbox's whole root filesystem.
 
     A workspace is durable, not transactional: what the command wrote stays,
@@ -389,15 +498,28 @@ def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,
     t0 = time.monotonic()
     run_id = uuid.uuid4().hex[:12]
     result = StepResult(run_id, 0)
-    with _WorkspaceRoot(store, volume, branch, run_id) as root:
-        cmd, env = build_command(sandbox, argv, "", network=network, workdir=root.work,
-                                 run_id=run_id, memory=memory, root=root.dir)
-        result.timings["start"] = time.monotonic() - t0
-        t1 = time.monotonic()
-        outcome = run_command(cmd, env, cwd=root.dir, timeout=timeout, memory=memory,
-                              cgroup_name=f"strata-{run_id}")
-        result.timings["command"] = time.monotonic() - t1
-        result.published = {volume: root.detach()}
+    if sandbox not in ("bwrap", "gvisor"):
+        raise InvalidInput(f"a workspace root needs a sandbox (bwrap or gvisor), "
+                           f"not {sandbox!r}")
+    jail = StepJail(sandbox, run_id)
+    try:
+        with _WorkspaceRoot(store, volume, branch, run_id) as root:
+            jail.open()
+            jail.show_root(root.dir)
+            launch = build_command(sandbox, argv, "", network=network, workdir=root.work,
+                                   run_id=run_id, memory=memory, jail=jail.jail, pids=pids)
+            result.timings["start"] = time.monotonic() - t0
+            t1 = time.monotonic()
+            try:
+                outcome = run_command(launch, cwd="/", timeout=timeout, memory=memory,
+                                      pids=pids, cgroup_name=f"strata-{run_id}")
+            finally:
+                jail.started()
+            result.timings["command"] = time.monotonic() - t1
+            jail.hide_root()
+            result.published = {volume: root.detach()}
+    finally:
+        jail.close()
     result.status, result.timed_out, result.oom = (outcome.status, outcome.timed_out,
                                                    outcome.oom)
     if result.timed_out:
@@ -413,7 +535,7 @@ def _publish(store: Store, state: MountState, result: StepResult, argv: list[str
         done = commit(store, state, message=msg, meta=meta, leases=leases, identical=identical,
                       remember=False)
         result.published = {name: sid for name, sid in done.published.items()
-                            if any(v.name == name and not v.readonly for v in state.volumes)}
+                            if any(v.name == name for v in state.committed)}
     except Conflict as exc:
         result.status = CONFLICT_EXIT
         result.conflicts = exc.paths
@@ -424,9 +546,7 @@ def _keep_rejected(store: Store, state: MountState, result: StepResult, msg: str
                    meta: dict[str, Any]) -> None:
     """Publish the refused change sets on rejected/<run-id>, from the snapshots they saw."""
     branch = f"rejected/{result.run_id}"
-    for v in state.volumes:
-        if v.readonly:
-            continue
+    for v in state.committed:
         changes, scan = pending(store, state, v, cache=False)
         if not changes:
             continue

@@ -1,12 +1,20 @@
 """Launching the step's command: no sandbox, bubblewrap, or gVisor (runsc).
 
-Every sandbox sees the volumes at /storage/NAME (`STRATA_STORAGE` says where)
-and a private /tmp; bwrap and gVisor see the host root read-only and no
-network unless asked. Memory is capped with a memory cgroup (v1 or v2) when
-one can be created, else with RLIMIT_AS; time with a deadline after which the
-whole process group is killed. The command dies with its runner
-(PR_SET_PDEATHSIG), set by `setpriv --pdeathsig` where it exists so that no
-Python runs between fork and exec (else by a preexec function).
+The boundary itself is written down in docs/sandbox.md; this module builds
+it. A bwrap or gVisor step sees its volumes at /storage/NAME, a root that is
+never the host's (run/rootfs.py's default, a workspace, or an image), a
+private /tmp, /dev and /proc, and no network unless asked. Under bwrap it
+runs as root of a user namespace whose ids are an unprivileged host range of
+its own (run/identity.py), with a short list of capabilities inside it, a
+seccomp filter (run/seccomp.py), no_new_privs, and nosuid,nodev on every
+mount. `none` runs the command as the caller, on the host: trusted code only.
+
+Memory and process count are capped with cgroups (v1 or v2) when they can be
+made, else with RLIMIT_AS and RLIMIT_NPROC; the command joins them through a
+one-line shell before anything of it runs. Time is capped with a deadline
+after which the whole process group is killed. The command dies with its
+runner (bwrap's --die-with-parent, else PR_SET_PDEATHSIG, set by `setpriv
+--pdeathsig` where it exists so that no Python runs between fork and exec).
 """
 
 from __future__ import annotations
@@ -16,20 +24,26 @@ import errno
 import json
 import os
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from strata.engine.errors import InvalidInput
+from strata.run import rootfs, seccomp
 
 SANDBOXES = ("none", "bwrap", "gvisor")
-# What root keeps in a workspace-root bwrap sandbox: owning, reading and writing any
-# file there, and becoming any user (package managers drop to their own users).
-ROOT_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER",
-             "CAP_FSETID", "CAP_SETUID", "CAP_SETGID", "CAP_KILL")
+# What root keeps inside a sandbox: Docker's default set less CAP_MKNOD, CAP_NET_RAW
+# and CAP_SETFCAP. Owning, reading and writing its own files, becoming any user of its
+# namespace (package managers drop to their own), binding low ports. Under bwrap these
+# are capabilities of the step's user namespace only: nothing of the host's.
+ROOT_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL",
+             "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+             "CAP_SYS_CHROOT", "CAP_AUDIT_WRITE")
+DEFAULT_PIDS = 4096  # processes and threads of one step
 
 
 @dataclass
@@ -39,42 +53,102 @@ class Outcome:
     oom: bool = False
 
 
-class MemoryCgroup:
-    """A child memory cgroup of ours with a hard limit, or nothing if we cannot."""
+@dataclass
+class Launch:
+    """How to start a step's command: its argv, environment and inherited descriptors."""
 
-    def __init__(self, limit: int, name: str) -> None:
-        self.path: str | None = None
-        self.procs_file = ""
-        self.version = 0
+    cmd: list[str]
+    env: dict[str, str]
+    pass_fds: tuple[int, ...] = ()
+    dies_with_parent: bool = False  # bwrap sees to it; else the runner's wrapper does
+
+
+@dataclass
+class Jail:
+    """What a sandbox is built from, made by the runner before the command starts.
+
+    `stage` is the step's staging directory (volumes at stage/storage, a root
+    view at stage/root); `userns` the path of the step's user namespace
+    (bwrap only), `id_base` the host id its root maps to.
+    """
+
+    stage: str
+    userns: str | None = None
+    id_base: int = 0
+    root: str | None = None      # a root filesystem in place of rootfs.default_root()
+    root_overlay: bool = False   # the root is a throwaway layer (an image), not durable
+    fds: list[int] = field(default_factory=list)  # closed once the command started
+
+
+class StepCgroup:
+    """Child cgroups of ours that limit one step's memory and process count."""
+
+    def __init__(self, name: str, *, memory: int | None, pids: int | None) -> None:
+        self.procs: list[str] = []   # cgroup.procs files the command joins
+        self.paths: list[str] = []
+        self.memory_ok = self.pids_ok = False
+        self._events: tuple[str, int] | None = None
         mine = _own_cgroup()
-        v1 = mine.get("memory")
-        if v1 is not None and os.path.isdir("/sys/fs/cgroup/memory"):
-            path = os.path.join("/sys/fs/cgroup/memory" + v1, name)
-            with contextlib.suppress(OSError):
+        for controller, limit in (("memory", memory), ("pids", pids)):
+            if limit is None:
+                continue
+            path = self._make(mine, controller, name, limit)
+            if path is None:
+                continue
+            if controller == "memory":
+                self.memory_ok = True
+                v1 = not path.startswith(_v2_base())
+                self._events = (os.path.join(path, "memory.oom_control" if v1
+                                             else "memory.events"), 1 if v1 else 2)
+            else:
+                self.pids_ok = True
+            if os.path.join(path, "cgroup.procs") not in self.procs:
+                self.procs.append(os.path.join(path, "cgroup.procs"))
+
+    def _make(self, mine: dict[str, str], controller: str, name: str, limit: int) -> str | None:
+        v1 = mine.get(controller)
+        if v1 is not None and os.path.isdir(f"/sys/fs/cgroup/{controller}"):
+            path = os.path.join(f"/sys/fs/cgroup/{controller}" + v1, name)
+            files = ({"memory.limit_in_bytes": limit} if controller == "memory"
+                     else {"pids.max": limit})
+            if self._mkdir(path, files, optional=("memory.memsw.limit_in_bytes",), limit=limit):
+                return path
+        if "" in mine:
+            path = os.path.join(_v2_base() + mine[""], name)
+            files = {"memory.max": limit} if controller == "memory" else {"pids.max": limit}
+            if self._mkdir(path, files, limit=limit):
+                return path
+        return None
+
+    def _mkdir(self, path: str, files: dict[str, int], optional: tuple[str, ...] = (),
+               limit: int = 0) -> bool:
+        try:
+            with contextlib.suppress(FileExistsError):
                 os.mkdir(path)
-                with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
-                    f.write(str(limit))
-                with contextlib.suppress(OSError), open(
-                        os.path.join(path, "memory.memsw.limit_in_bytes"), "w") as f:
-                    f.write(str(limit))
-                self.path, self.version = path, 1
-        if self.path is None and "" in mine:
-            base = "/sys/fs/cgroup/unified" if os.path.isdir("/sys/fs/cgroup/unified") else (
-                "/sys/fs/cgroup")
-            path = os.path.join(base + mine[""], name)
-            with contextlib.suppress(OSError):
-                os.mkdir(path)
-                with open(os.path.join(path, "memory.max"), "w") as f:
-                    f.write(str(limit))
-                self.path, self.version = path, 2
-        if self.path is not None:
-            self.procs_file = os.path.join(self.path, "cgroup.procs")
+            if path not in self.paths:
+                self.paths.append(path)
+            for fname, value in files.items():
+                with open(os.path.join(path, fname), "w") as f:
+                    f.write(str(value))
+        except OSError:
+            return False
+        for fname in optional:
+            with contextlib.suppress(OSError), open(os.path.join(path, fname), "w") as f:
+                f.write(str(limit))
+        return True
+
+    def gate(self) -> list[str]:
+        """A command prefix that joins the cgroups, then execs the rest (nothing runs first)."""
+        if not self.procs:
+            return []
+        files = " ".join(shlex.quote(p) for p in self.procs)
+        return ["/bin/sh", "-c", f'for f in {files}; do echo $$ > "$f" || exit 125; done; '
+                'exec "$@"', "strata-gate"]
 
     def oom_killed(self) -> bool:
-        if self.path is None:
+        if self._events is None:
             return False
-        name = "memory.oom_control" if self.version == 1 else "memory.events"
-        with contextlib.suppress(OSError), open(os.path.join(self.path, name)) as f:
+        with contextlib.suppress(OSError), open(self._events[0]) as f:
             for line in f:
                 key, _, value = line.partition(" ")
                 if key == "oom_kill" and int(value) > 0:
@@ -82,14 +156,20 @@ class MemoryCgroup:
         return False
 
     def remove(self) -> None:
-        if self.path is None:
-            return
-        for _ in range(50):
-            try:
-                os.rmdir(self.path)
-                return
-            except OSError:
-                time.sleep(0.02)
+        for path in self.paths:
+            for _ in range(50):
+                try:
+                    os.rmdir(path)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)
+
+
+def _v2_base() -> str:
+    return "/sys/fs/cgroup/unified" if os.path.isdir("/sys/fs/cgroup/unified") else (
+        "/sys/fs/cgroup")
 
 
 def _own_cgroup() -> dict[str, str]:
@@ -102,46 +182,46 @@ def _own_cgroup() -> dict[str, str]:
     return out
 
 
-def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
-                  workdir: str, run_id: str, memory: int | None, root: str | None = None
-                  ) -> tuple[list[str], dict[str, str]]:
-    """The command line that runs `argv` in `sandbox`, and its environment.
-
-    With `root` (an attached workspace), that directory is the sandbox's whole
-    root filesystem, writable, in place of the host's read-only one.
-    """
+def sandbox_env(sandbox: str, storage: str, *, root: bool) -> dict[str, str]:
+    """The command's environment: the caller's, less strata's own, with the sandbox's HOME."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
-    if root is not None:
-        return _root_command(sandbox, argv, root, storage, env, network=network,
-                             workdir=workdir, run_id=run_id, memory=memory)
+    if root:  # a workspace or an image: its own system, so only the basics cross over
+        env = {k: v for k, v in env.items() if k in ("PATH", "LANG", "TERM")}
+        env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     if sandbox == "none":
         env["STRATA_STORAGE"] = storage
-        return argv, env
-    env["STRATA_STORAGE"] = "/storage"
+        return env
+    env["HOME"] = "/root"
+    if storage:
+        env["STRATA_STORAGE"] = "/storage"
+    return env
+
+
+def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
+                  workdir: str, run_id: str, memory: int | None, jail: Jail | None = None,
+                  pids: int | None = DEFAULT_PIDS) -> Launch:
+    """How to run `argv` in `sandbox` with the volumes of `storage` at /storage.
+
+    `jail` (made by the runner) says what the sandbox is built from; a bwrap
+    step needs one, with its user namespace. Without volumes `storage` is "".
+    """
+    root = jail.root if jail is not None else None
+    env = sandbox_env(sandbox, storage, root=root is not None)
+    if sandbox == "none":
+        if root is not None:
+            raise InvalidInput(f"a root filesystem needs a sandbox (bwrap or gvisor), "
+                               f"not {sandbox!r}")
+        return Launch(argv, env)
     if sandbox == "bwrap":
         _need("bwrap", "bubblewrap (bwrap)")
-        # The host root read-only, entry by entry (a bind of / itself would leave no
-        # place to create /storage), then private /dev, /proc and /tmp.
-        cmd = ["bwrap"]
-        for name in sorted(os.listdir("/")):
-            if name in ("proc", "dev", "tmp", "storage"):
-                continue
-            path = "/" + name
-            if os.path.islink(path):
-                cmd += ["--symlink", os.readlink(path), path]
-            elif os.path.isdir(path):
-                cmd += ["--ro-bind", path, path]
-        cmd += ["--dev", "/dev", "--proc", "/proc",
-               "--tmpfs", "/tmp", "--bind", storage, "/storage", "--unshare-all",
-               "--die-with-parent", "--new-session", "--chdir", "/storage",
-               "--setenv", "STRATA_STORAGE", "/storage"]
-        if network:
-            cmd.append("--share-net")
-        return [*cmd, "--", *argv], env
+        if jail is None or jail.userns is None:
+            raise InvalidInput("a bwrap step needs its user namespace")
+        return _bwrap(argv, env, storage, jail, network=network)
     if sandbox == "gvisor":
         _need("runsc", "gVisor (runsc)")
-        config = _oci_config(argv, env, storage, network=network, memory=memory)
-        return _runsc(config, workdir, run_id, network=network), env
+        config = _oci_config(argv, env, storage, network=network, memory=memory, root=root,
+                             pids=pids)
+        return Launch(_runsc(config, workdir, run_id, network=network), env)
     raise InvalidInput(f"unknown sandbox {sandbox!r} (use {', '.join(SANDBOXES)})")
 
 
@@ -150,45 +230,42 @@ def _need(tool: str, name: str) -> None:
         raise InvalidInput(f"{name} is not installed")
 
 
-def _root_command(sandbox: str, argv: list[str], root: str, storage: str,
-                  env: dict[str, str], *, network: bool, workdir: str, run_id: str,
-                  memory: int | None) -> tuple[list[str], dict[str, str]]:
-    """`argv` with `root` as the whole root, and the step's volumes (if any) at /storage.
+def _bwrap(argv: list[str], env: dict[str, str], storage: str, jail: Jail, *,
+           network: bool) -> Launch:
+    """bwrap, started as root of the step's user namespace (nsenter), never the host's root.
 
-    The caller has made `ROOT/storage` (the mount point) when there are volumes.
+    bwrap then makes the mount, pid, ipc, uts and cgroup namespaces (and the
+    network one unless `network`) as that unprivileged user, so they belong to
+    the step's user namespace; only the mounts listed here are in it.
     """
-    env = {k: v for k, v in env.items() if k in ("PATH", "LANG", "TERM", "HOME")}
-    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    assert jail.userns is not None
+    filt = seccomp.memfd()
+    jail.fds.append(filt)
+    cmd = ["nsenter", f"--user={jail.userns}", "--setuid=0", "--setgid=0", "--",
+           "bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
+           "--hostname", rootfs.HOSTNAME, "--die-with-parent", "--new-session",
+           "--cap-drop", "ALL"]
+    for cap in ROOT_CAPS:
+        cmd += ["--cap-add", cap]
+    if not network:
+        cmd.append("--unshare-net")
+    if jail.root is None:
+        root = rootfs.default_root(network)
+        cmd += ["--ro-bind", root.skeleton, "/"]
+        for src, dest in root.binds:
+            cmd += ["--ro-bind", src, dest]
+    else:
+        cmd += ["--bind", jail.root, "/"]
+    cmd += ["--dev", "/dev", "--proc", "/proc"]
+    for path, mode in rootfs.TMPFS.items():
+        if jail.root is None or path == "/tmp":
+            cmd += ["--perms", f"{mode:04o}", "--tmpfs", path]
     if storage:
-        env["STRATA_STORAGE"] = "/storage"
-    if sandbox == "bwrap":
-        _need("bwrap", "bubblewrap (bwrap)")
-        cmd = ["bwrap", "--bind", root, "/", "--dev", "/dev", "--proc", "/proc",
-               "--perms", "1777", "--tmpfs", "/tmp", "--die-with-parent", "--new-session"]
-        if storage:
-            cmd += ["--bind", storage, "/storage"]
-        cmd += ["--chdir", "/storage" if storage else "/"]
-        if os.getuid() == 0:
-            # A whole system's files belong to many users (apt's `_apt`, daemons'), and
-            # a user namespace maps only one: root inside could not touch the rest. So
-            # no user namespace, and root keeps just the file-ownership capabilities;
-            # the sandbox sees only the workspace, its own /dev, /proc and /tmp.
-            cmd += ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
-                    "--cap-drop", "ALL"]
-            for cap in ROOT_CAPS:
-                cmd += ["--cap-add", cap]
-            if not network:
-                cmd.append("--unshare-net")
-        else:
-            cmd.append("--unshare-all")
-            if network:
-                cmd.append("--share-net")
-        return [*cmd, "--", *argv], env
-    if sandbox == "gvisor":
-        _need("runsc", "gVisor (runsc)")
-        config = _oci_config(argv, env, storage, network=network, memory=memory, root=root)
-        return _runsc(config, workdir, run_id, network=network), env
-    raise InvalidInput(f"a workspace root needs a sandbox (bwrap or gvisor), not {sandbox!r}")
+        cmd += ["--bind", storage, "/storage"]
+    cmd += ["--chdir", "/storage" if storage else "/", "--seccomp", str(filt)]
+    if jail.root is None:
+        cmd += ["--remount-ro", "/"]
+    return Launch([*cmd, "--", *argv], env, pass_fds=(filt,), dies_with_parent=True)
 
 
 def _runsc(config: dict[str, object], workdir: str, run_id: str, *, network: bool
@@ -204,61 +281,98 @@ def _runsc(config: dict[str, object], workdir: str, run_id: str, *, network: boo
 
 
 def _oci_config(argv: list[str], env: dict[str, str], storage: str, *, network: bool,
-                memory: int | None, root: str | None = None) -> dict[str, object]:
+                memory: int | None, root: str | None = None, pids: int | None = None
+                ) -> dict[str, object]:
+    """The OCI bundle's config: the same view as bwrap's, for gVisor's own kernel.
+
+    gVisor's Sentry is the step's kernel; its gofer serves only the mounts
+    listed here. Root inside is gVisor's root, with ROOT_CAPS, never a host
+    process's identity.
+    """
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
     if not network:
         namespaces.append({"type": "network"})
     linux: dict[str, object] = {"namespaces": namespaces}
     if memory:
         linux["resources"] = {"memory": {"limit": memory}}
+    secure = ["nosuid", "nodev"]
     mounts: list[dict[str, object]] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
-        {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-         "options": ["nosuid", "nodev", "mode=1777"]},
     ]
+    if root is None:
+        skel = rootfs.default_root(network)
+        root_path = skel.skeleton
+        for src, dest in skel.binds:
+            mounts.append({"destination": dest, "type": "bind", "source": src,
+                           "options": ["rbind", "ro", *secure]})
+        tmpfs = rootfs.TMPFS
+    else:
+        root_path = root
+        tmpfs = {"/tmp": rootfs.TMPFS["/tmp"]}
+    for path, mode in tmpfs.items():
+        mounts.append({"destination": path, "type": "tmpfs", "source": "tmpfs",
+                       "options": [*secure, f"mode={mode:04o}"]})
     if storage:  # the step's volumes (a workspace root alone has none)
         mounts.append({"destination": "/storage", "type": "bind", "source": storage,
-                       "options": ["rbind", "rw"]})
+                       "options": ["rbind", "rw", *secure]})
+    caps = list(ROOT_CAPS)
+    process: dict[str, object] = {
+        "terminal": False, "user": {"uid": 0, "gid": 0}, "args": argv,
+        "cwd": "/storage" if storage else "/", "noNewPrivileges": True,
+        "env": [f"{k}={v}" for k, v in env.items()],
+        "capabilities": {"bounding": caps, "effective": caps, "permitted": caps,
+                         "inheritable": caps}}
+    if pids:
+        process["rlimits"] = [{"type": "RLIMIT_NPROC", "hard": pids, "soft": pids}]
     return {
         "ociVersion": "1.0.0",
-        "process": {"terminal": False, "user": {"uid": os.getuid(), "gid": os.getgid()},
-                    "args": argv, "cwd": "/storage" if storage else "/",
-                    "env": [f"{k}={v}" for k, v in env.items()]},
-        "root": {"path": root or "/", "readonly": root is None},
-        "hostname": "strata-step",
+        "process": process,
+        "root": {"path": root_path, "readonly": root is None},
+        "hostname": rootfs.HOSTNAME,
         "mounts": mounts,
         "linux": linux,
     }
 
 
-def run_command(cmd: list[str], env: dict[str, str], *, cwd: str, timeout: float | None,
-                memory: int | None, cgroup_name: str,
+def run_command(launch: Launch, *, cwd: str, timeout: float | None, memory: int | None,
+                cgroup_name: str, pids: int | None = DEFAULT_PIDS,
                 on_start: Callable[[int], None] | None = None) -> Outcome:
     """Run to completion in its own process group; kill it all at the end or the deadline.
 
     `on_start` gets the process group id as soon as the command is started.
     """
-    cg = MemoryCgroup(memory, cgroup_name) if memory else None
-    wrapper = None if memory else pdeathsig_wrapper()
-    prctl = _prctl() if wrapper is None else None
+    cg = StepCgroup(cgroup_name, memory=memory, pids=pids) if memory or pids else None
+    limits = []  # what no cgroup could cap
+    if memory and not (cg is not None and cg.memory_ok):
+        limits.append((resource.RLIMIT_AS, memory))
+    if pids and not (cg is not None and cg.pids_ok):
+        limits.append((resource.RLIMIT_NPROC, pids))
+    gate = cg.gate() if cg is not None else []
+    wrapper = [] if launch.dies_with_parent else pdeathsig_wrapper()
+    try:
+        if wrapper is not None and not limits:
+            # No Python between fork and exec: the interpreter can vfork, which from a
+            # process the size of the step service's workers costs 1 ms, not 15.
+            _check_executable(launch.cmd[0], launch.env, cwd)
+            cmd = [*gate, *wrapper, *(["--"] if wrapper else []), *launch.cmd]
+            proc = subprocess.Popen(cmd, env=launch.env, cwd=cwd, process_group=0,
+                                    pass_fds=launch.pass_fds)
+        else:
+            prctl = _prctl() if not launch.dies_with_parent else None
 
-    def preexec() -> None:
-        os.setpgrp()
-        if prctl is not None:
-            prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the runner
-        if cg is not None and cg.path is not None:
-            with open(cg.procs_file, "w") as f:
-                f.write(str(os.getpid()))
-        elif memory:
-            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+            def preexec() -> None:
+                os.setpgrp()
+                if prctl is not None:
+                    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with the runner
+                for which, value in limits:
+                    resource.setrlimit(which, (value, value))
 
-    if wrapper is not None:
-        # No Python between fork and exec: the interpreter can vfork, which from a
-        # process the size of the step service's workers costs 1 ms, not 15.
-        _check_executable(cmd[0], env, cwd)
-        proc = subprocess.Popen([*wrapper, "--", *cmd], env=env, cwd=cwd, process_group=0)
-    else:
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, preexec_fn=preexec)
+            proc = subprocess.Popen([*gate, *launch.cmd], env=launch.env, cwd=cwd,
+                                    preexec_fn=preexec, pass_fds=launch.pass_fds)
+    except BaseException:
+        if cg is not None:
+            cg.remove()
+        raise
     timed_out = False
     try:
         if on_start is not None:

@@ -379,7 +379,7 @@ def _exact(conn: socket.socket, n: int) -> bytes:
 def _check(raw: Any) -> dict[str, Any]:
     """The request's fields, each checked; Refused names the first bad one."""
     from strata.run.sandbox import SANDBOXES
-    from strata.run.spec import parse_spec
+    from strata.run.spec import parse_image, parse_spec
     if not isinstance(raw, dict):
         raise Refused("a request is a JSON object")
     if raw.get("v") != PROTOCOL:
@@ -391,7 +391,7 @@ def _check(raw: Any) -> dict[str, Any]:
     if op != "step":
         raise Refused(f"op must be 'step' or 'mount', not {op!r}")
     known = {"v", "op", "argv", "specs", "sandbox", "timeout", "memory", "network", "message",
-             "identical", "env", "cwd", "umask"}
+             "identical", "env", "cwd", "umask", "pids", "disk", "image"}
     extra = set(raw) - known
     if extra:
         raise Refused(f"unknown request fields {sorted(extra)}")
@@ -421,13 +421,28 @@ def _check(raw: Any) -> dict[str, Any]:
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int)
                                or memory <= 0):
         raise Refused("memory must be a positive number of bytes or null")
+    pids = raw.get("pids")
+    if isinstance(pids, bool) or not isinstance(pids, int) or not 0 < pids <= 1 << 22:
+        raise Refused("pids must be a whole number from 1 to 4194304")
+    disk = raw.get("disk")
+    if disk is not None and (isinstance(disk, bool) or not isinstance(disk, int)
+                             or not 1 << 20 <= disk <= 1 << 50):
+        raise Refused("disk must be a number of bytes from 1 MiB to 1 PiB, or null")
+    image = raw.get("image")
+    if image is not None:
+        if not isinstance(image, str):
+            raise Refused("image must be VOLUME[@BRANCH] or null")
+        try:
+            image = parse_image(image)
+        except InvalidInput as exc:
+            raise Refused(str(exc)) from None
     for name in ("network", "identical"):
         if not isinstance(raw.get(name), bool):
             raise Refused(f"{name} must be true or false")
     message = raw.get("message")
     if message is not None and not isinstance(message, str):
         raise Refused("message must be a string or null")
-    return {**raw, "op": "step", "specs": specs}
+    return {**raw, "op": "step", "specs": specs, "image": image}
 
 
 def _check_common(raw: dict[str, Any]) -> None:
@@ -536,6 +551,7 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
     try:
         run_step(store, step["specs"], step["argv"], sandbox=step["sandbox"],
                  timeout=step["timeout"], memory=step["memory"], network=step["network"],
+                 pids=step["pids"], disk=step["disk"], image=step["image"],
                  message=step["message"], identical=step["identical"], mounter=mounter,
                  mounter_env=True, on_publish=publishing, on_done=done)
     except Exception as exc:

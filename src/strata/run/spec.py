@@ -46,3 +46,15 @@ def parse_spec(text: str) -> VolumeSpec:
     if exclusive and not writable:
         raise InvalidInput(f"{text!r}: :exclusive needs a writable volume")
     return VolumeSpec(volume, branch, writable, exclusive, run_scoped)
+
+
+IMAGE_NAME = ".image"  # the image's place among a step's mounts (no volume is named so)
+
+
+def parse_image(text: str) -> VolumeSpec:
+    """`--image VOLUME[@BRANCH]`: a volume holding a root filesystem."""
+    volume, sep, branch = text.partition("@")
+    check_volume(volume)
+    if sep:
+        check_branch(branch)
+    return VolumeSpec(volume, branch if sep else "live", writable=False)

@@ -246,6 +246,7 @@ class Daemon:
         print(f"strata workspace: its owner (pid {self.att.owner}) is gone: detaching",
               flush=True)
         deadline = time.monotonic() + OWNER_GRACE
+        _unmount_views(self.att.dir)
         while True:  # the owner's processes die with it (PDEATHSIG); wait for them to leave
             if subprocess.run(["umount", self.att.dir], capture_output=True).returncode == 0 \
                     or not os.path.ismount(self.att.dir):
@@ -536,6 +537,27 @@ def _gone(att: Attached) -> None:
     abort_fuse(fuse_connections("\n".join(mine)))
     subprocess.run(["umount", "-l", devdir], capture_output=True)
     shutil.rmtree(att.state_dir, ignore_errors=True)
+
+
+def _unmount_views(directory: str) -> None:
+    """Lazily unmount every other mount of the filesystem at `directory`.
+
+    A step's runner shows a workspace root to its sandbox through an idmapped
+    copy of this mount; a runner that died leaves that copy behind, and it
+    would keep the filesystem (and the device) busy forever.
+    """
+    try:
+        dev = os.stat(directory).st_dev
+    except OSError:
+        return
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    real = os.path.realpath(directory)
+    with open("/proc/self/mountinfo") as f:
+        views = [fields[4].encode().decode("unicode_escape") for fields in
+                 (line.split() for line in f) if fields[2] == want]
+    for mp in reversed(views):
+        if mp != real:
+            subprocess.run(["umount", "-l", mp], capture_output=True)
 
 
 def _release_device(devdir: str, deadline: float | None, every: float = 0.05) -> bool:

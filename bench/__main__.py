@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from bench import bucket, day, engine, gc, mount, server, speed, steps, ui, workspace
+from bench import bucket, day, engine, gc, mount, sandbox, server, speed, steps, ui, workspace
 from bench.report import print_table
 
 
@@ -21,9 +21,9 @@ def main() -> None:
     ap.add_argument("--churn-rounds", type=int, default=None,
                     help="rounds of the GC churn on a mount (default 20, 5 with --quick)")
     ap.add_argument("--only",
-                    default="engine,server,bucket,gc,mount,steps,ui,speed,workspace,day",
+                    default="engine,server,bucket,gc,mount,steps,sandbox,ui,speed,workspace,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
-                         "steps, ui, speed, workspace, day)")
+                         "steps, sandbox, ui, speed, workspace, day)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -48,6 +48,11 @@ def main() -> None:
     if step_rows:
         print_table("strata step benchmarks (the same command without strata in the same run)",
                     step_rows)
+    sandbox_rows = sandbox.run(args.dir, quick=args.quick) if "sandbox" in groups else []
+    if sandbox_rows:
+        print_table("strata sandbox cost per step (the previous sandbox design in the same run)",
+                    sandbox_rows)
+    step_rows += sandbox_rows
     speed_rows = speed.run(args.dir, quick=args.quick) if "speed" in groups else []
     if speed_rows:
         print_table("strata speed (issue 12): the same work without strata in the same run",

@@ -3,8 +3,11 @@
 Every figure sits beside the same command run without strata in the same
 run: directly (`none`), under the same bubblewrap command line, or under the
 same `runsc` bundle (both built by `strata.run.sandbox.build_command` over a
-plain directory). The command prints `date +%s.%N` and writes one file, so
-"start → command" is that timestamp minus the moment the caller launched it
+plain directory, in a jail of its own as the runner makes one: `StepJail`, with
+the step's id range and user namespace under bwrap; the jail is made and
+removed outside the baseline's timing, bench/sandbox.py measures it). The
+command prints `date +%s.%N` and writes one file, so "start → command" is
+that timestamp minus the moment the caller launched it
 (or minus the runner's own start, `timings.began`, which leaves out the
 interpreter start and the CLI's imports), and "exit → published" is the
 runner's `timings.finish`. Figures are medians. Nothing here asserts.
@@ -69,30 +72,75 @@ def _strata_once(env: Env, sandbox: str, i: int, in_process: bool = False
             "published": t["finish"], "wall": ended - launched}
 
 
+class _Plain:
+    """The same sandbox over a plain directory, no strata: a step's jail and nothing else.
+
+    For bwrap and gvisor it is what the runner makes (run/runner.py's
+    StepJail): a staging directory with the volumes' directory at
+    stage/storage, and under bwrap the step's host id range and user
+    namespace; the directory belongs to the step's root there, as the mount
+    shows a volume. `none` gets a directory under `scratch`.
+    """
+
+    def __init__(self, sandbox: str, run_id: str, scratch: str) -> None:
+        from strata.run.runner import StepJail
+        self.sandbox, self.run_id = sandbox, run_id
+        self.work = tempfile.mkdtemp(dir=scratch)
+        self.jail = StepJail(sandbox, run_id) if sandbox != "none" else None
+        try:
+            if self.jail is None:
+                self.storage = os.path.join(self.work, "storage")
+                os.mkdir(self.storage)
+            else:
+                self.jail.open()
+                self.storage = os.path.join(self.jail.stage, "storage")
+                os.mkdir(self.storage, 0o755)
+            os.mkdir(os.path.join(self.storage, "v"))
+            if self.jail is not None and self.jail.id_base:
+                for path in (self.storage, os.path.join(self.storage, "v")):
+                    os.chown(path, self.jail.id_base, self.jail.id_base)
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self, argv: list[str], **popen: Any) -> subprocess.Popen[Any]:
+        """Build the command and start it (the jail's descriptors go once it has them)."""
+        from strata.run.sandbox import build_command
+        launch = build_command(self.sandbox, argv, self.storage, network=False,
+                               workdir=self.work, run_id=self.run_id, memory=None,
+                               jail=self.jail.jail if self.jail is not None else None)
+        try:
+            return subprocess.Popen(launch.cmd, env=launch.env, cwd=self.storage,
+                                    pass_fds=launch.pass_fds, **popen)
+        finally:
+            if self.jail is not None:
+                self.jail.started()
+
+    def close(self) -> None:
+        if self.jail is not None:
+            self.jail.close()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
 def _baseline_once(sandbox: str, i: int, scratch: str) -> dict[str, float]:
     """The same command under the same sandbox over a plain directory."""
-    from strata.run.sandbox import build_command
-    work = tempfile.mkdtemp(dir=scratch)
-    storage = os.path.join(work, "storage")
-    os.makedirs(os.path.join(storage, "v"))
+    plain = _Plain(sandbox, f"bench-{os.getpid()}-{i}", scratch)
     try:
-        cmd, cmd_env = build_command(sandbox, ["sh", "-c", _script(i)], storage, network=False,
-                                     workdir=work, run_id=f"bench-{os.getpid()}-{i}",
-                                     memory=None)
         launched = time.time()
-        p = subprocess.run(cmd, env=cmd_env, cwd=storage, capture_output=True, text=True)
+        p = plain.start(["sh", "-c", _script(i)], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
+        out, err = p.communicate()
         ended = time.time()
         if p.returncode != 0:
-            raise RuntimeError(f"baseline {sandbox} exited {p.returncode}: {p.stderr.strip()}")
-        return {"launch_to_cmd": float(p.stdout.split()[0]) - launched, "wall": ended - launched}
+            raise RuntimeError(f"baseline {sandbox} exited {p.returncode}: {err.strip()}")
+        return {"launch_to_cmd": float(out.split()[0]) - launched, "wall": ended - launched}
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        plain.close()
 
 
 def _throughput(env: Env, sandbox: str, rounds: int, scratch: str,
                 base: int, in_process: bool = False) -> tuple[float, float, int]:
     """8 concurrent steps writing disjoint files vs the 8 commands alone: steps/s each."""
-    from strata.run.sandbox import build_command
     strata_rates, base_rates, failed = [], [], 0
     for r in range(rounds):
         t0 = time.perf_counter()
@@ -105,19 +153,20 @@ def _throughput(env: Env, sandbox: str, rounds: int, scratch: str,
                 print(f"[steps] a step exited {p.returncode}: {str(err or '')[-400:]}",
                       file=sys.stderr)
         strata_rates.append(8 / (time.perf_counter() - t0))
-        work = tempfile.mkdtemp(dir=scratch)
-        storage = os.path.join(work, "storage")
-        os.makedirs(os.path.join(storage, "v"))
-        cmds = [build_command(sandbox, ["sh", "-c", _script(k)], storage, network=False,
-                              workdir=os.path.join(work, str(k)), run_id=f"tp-{os.getpid()}-{k}",
-                              memory=None) for k in range(8)]
-        t0 = time.perf_counter()
-        plain = [subprocess.Popen(c, env=e, cwd=storage, stdout=subprocess.DEVNULL)
-                 for c, e in cmds]
-        for p in plain:
-            p.wait()
-        base_rates.append(8 / (time.perf_counter() - t0))
-        shutil.rmtree(work, ignore_errors=True)
+        # One jail each, as the runner gives every step (a bwrap step's id range owns it).
+        jails: list[_Plain] = []
+        try:
+            for k in range(8):
+                jails.append(_Plain(sandbox, f"tp-{os.getpid()}-{r}-{k}", scratch))
+            t0 = time.perf_counter()
+            plain = [j.start(["sh", "-c", _script(k)], stdout=subprocess.DEVNULL)
+                     for k, j in enumerate(jails)]
+            for p in plain:
+                p.wait()
+            base_rates.append(8 / (time.perf_counter() - t0))
+        finally:
+            for j in jails:
+                j.close()
     return statistics.median(strata_rates), statistics.median(base_rates), failed
 
 

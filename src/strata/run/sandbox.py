@@ -122,6 +122,7 @@ class StepCgroup:
 
     def _mkdir(self, path: str, files: dict[str, int], optional: tuple[str, ...] = (),
                limit: int = 0) -> bool:
+        _sweep(os.path.dirname(path))
         try:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(path)
@@ -157,14 +158,43 @@ class StepCgroup:
 
     def remove(self) -> None:
         for path in self.paths:
-            for _ in range(50):
+            delay = 0.0005  # a pid namespace takes a moment to empty after its init died
+            deadline = time.monotonic() + 2.0
+            while True:
                 try:
                     os.rmdir(path)
                     break
                 except FileNotFoundError:
                     break
                 except OSError:
-                    time.sleep(0.02)
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+
+
+SWEEP_AGE = 60.0  # seconds: an empty step cgroup this old belongs to a dead runner
+_swept: dict[str, float] = {}
+
+
+def _sweep(parent: str) -> None:
+    """Remove empty step cgroups that runners killed before their cleanup left behind.
+
+    rmdir fails on a cgroup that still has a process, so a running step's
+    survives; young ones are left alone (their command may not have joined yet).
+    """
+    now = time.time()
+    if now - _swept.get(parent, 0.0) < SWEEP_AGE:
+        return
+    _swept[parent] = now
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if not name.startswith("strata-"):
+                continue
+            path = os.path.join(parent, name)
+            with contextlib.suppress(OSError):
+                if now - os.stat(path).st_mtime > SWEEP_AGE:
+                    os.rmdir(path)
 
 
 def _v2_base() -> str:

@@ -86,12 +86,22 @@ def mount_overlay(lower: str, upper: str, work: str, target: str, *,
     Only for a scratch that is thrown away whenever its process dies (a
     step's): syncs there buy nothing, and the one at unmount writes back the
     upper filesystem. `secure` mounts it nosuid and nodev: a setuid file or a
-    device node in the volume is then only bytes (a step's volumes).
+    device node in the volume is then only bytes (a step's volumes); and it
+    names its layers by descriptor, so the mount table the step reads shows
+    /proc/self/fd/N, not where its scratch lives on the host.
     """
     _adopt_root(lower, upper)
-    opts = f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}"
-    sys_mount("strata", target, "overlay", MS_NOSUID | MS_NODEV if secure else 0,
-              opts + (",volatile" if volatile else ""), "overlay mount")
+    fds = [os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for p in (lower, upper, work)
+           ] if secure else []
+    try:
+        lower, upper, work = (f"/proc/self/fd/{fd}" for fd in fds) if fds else (
+            lower, upper, work)
+        opts = f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}"
+        sys_mount("strata", target, "overlay", MS_NOSUID | MS_NODEV if secure else 0,
+                  opts + (",volatile" if volatile else ""), "overlay mount")
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _adopt_root(lower: str, upper: str) -> None:

@@ -61,6 +61,10 @@ class Launch:
     env: dict[str, str]
     pass_fds: tuple[int, ...] = ()
     dies_with_parent: bool = False  # bwrap sees to it; else the runner's wrapper does
+    # Host tasks per task of the step: gVisor's Sentry runs its own threads and, on
+    # the ptrace platform, a stub process per address space of the step.
+    pids_scale: int = 1
+    pids_slack: int = 0
 
 
 @dataclass
@@ -251,7 +255,8 @@ def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
         _need("runsc", "gVisor (runsc)")
         config = _oci_config(argv, env, storage, network=network, memory=memory, root=root,
                              pids=pids)
-        return Launch(_runsc(config, workdir, run_id, network=network), env)
+        return Launch(_runsc(config, workdir, run_id, network=network), env, pids_scale=2,
+                      pids_slack=512)
     raise InvalidInput(f"unknown sandbox {sandbox!r} (use {', '.join(SANDBOXES)})")
 
 
@@ -305,7 +310,7 @@ def _runsc(config: dict[str, object], workdir: str, run_id: str, *, network: boo
     os.makedirs(bundle, exist_ok=True)
     with open(os.path.join(bundle, "config.json"), "w") as f:
         json.dump(config, f)
-    return ["runsc", "--root", os.path.join(workdir, "runsc-root"),
+    return ["runsc", "--root", os.path.join(workdir, "runsc-root"), "--oci-seccomp",
             "--network=host" if network else "--network=none", "--platform=ptrace",
             "--ignore-cgroups", "run", "--bundle", bundle, f"strata-{run_id}"]
 
@@ -322,7 +327,12 @@ def _oci_config(argv: list[str], env: dict[str, str], storage: str, *, network: 
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
     if not network:
         namespaces.append({"type": "network"})
-    linux: dict[str, object] = {"namespaces": namespaces}
+    # gVisor's own kernel applies the same filter as bwrap's (run/seccomp.py), and
+    # refuses device nodes, which its tmpfs would otherwise make.
+    linux: dict[str, object] = {"namespaces": namespaces, "seccomp": {
+        "defaultAction": "SCMP_ACT_ALLOW", "architectures": ["SCMP_ARCH_X86_64"],
+        "syscalls": [{"names": sorted({*seccomp.DENIED, "mknod", "mknodat"}),
+                      "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}]}}
     if memory:
         linux["resources"] = {"memory": {"limit": memory}}
     secure = ["nosuid", "nodev"]
@@ -371,7 +381,8 @@ def run_command(launch: Launch, *, cwd: str, timeout: float | None, memory: int 
 
     `on_start` gets the process group id as soon as the command is started.
     """
-    cg = StepCgroup(cgroup_name, memory=memory, pids=pids) if memory or pids else None
+    host_pids = pids * launch.pids_scale + launch.pids_slack if pids else None
+    cg = StepCgroup(cgroup_name, memory=memory, pids=host_pids) if memory or pids else None
     limits = []  # what no cgroup could cap
     if memory and not (cg is not None and cg.memory_ok):
         limits.append((resource.RLIMIT_AS, memory))

@@ -241,11 +241,11 @@ def _p50(samples: list[dict[str, float]], key: str = "total") -> float:
 class Env(CliEnv):
     """A store with its server and a volume `v`."""
 
-    def step(self, sb: str, in_process: bool = False) -> float:
-        """`strata run -v v --sandbox SB -- true` from the shell, in ms."""
+    def step(self, sb: str, in_process: bool = False, extra: tuple[str, ...] = ()) -> float:
+        """`strata run -v v --sandbox SB [EXTRA] -- true` from the shell, in ms."""
         env = {**self.env, "STRATA_RUN_IN_PROCESS": "1"} if in_process else self.env
         t0 = time.perf_counter()
-        p = subprocess.run([*STRATA, "run", "--sandbox", sb, "-v", "v", "--", *ARGV],
+        p = subprocess.run([*STRATA, "run", "--sandbox", sb, "-v", "v", *extra, "--", *ARGV],
                            env=env, capture_output=True, text=True)
         ms = (time.perf_counter() - t0) * 1000
         if p.returncode != 0:
@@ -288,6 +288,8 @@ def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
             return rows
         for sb in sandboxes:
             rows += _whole_rows(env, sb, scratch, n)
+        for sb in sandboxes:
+            rows += _image_rows(env, sb, n)
         return rows
     finally:
         if env is not None:
@@ -358,6 +360,64 @@ def _whole_rows(env: Env, sb: str, scratch: str, n: int) -> list[dict[str, Any]]
                     statistics.median(service), "ms", base, what))
     rows.append(row(f"  same, STRATA_RUN_IN_PROCESS=1, {sb}", statistics.median(in_proc),
                     "ms", base, what))
+    return rows
+
+
+def _tiny_root(target: str) -> None:
+    """A root filesystem of this machine's `sh` and `true` and the libraries they load."""
+    files: set[str] = set()
+    for prog in ("sh", "true"):
+        path = shutil.which(prog) or prog
+        files.add(os.path.realpath(path))
+        out = subprocess.run(["ldd", path], capture_output=True, text=True).stdout
+        files.update(p for line in out.splitlines() for p in line.split() if p.startswith("/"))
+    for f in sorted(files):
+        for src in {f, os.path.realpath(f)}:
+            dest = target + src
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            if not os.path.exists(dest):
+                shutil.copy2(src, dest)
+    os.makedirs(os.path.join(target, "bin"), exist_ok=True)
+    for prog in ("sh", "true"):
+        link = os.path.join(target, "bin", prog)
+        if not os.path.lexists(link):
+            os.symlink(os.path.realpath(shutil.which(prog) or prog), link)
+    for d in ("proc", "dev", "tmp", "etc", "storage"):
+        os.makedirs(os.path.join(target, d), exist_ok=True)
+
+
+def _image_rows(env: Env, sb: str, n: int) -> list[dict[str, Any]]:
+    """`strata run --image` on a small root, cold (no content cache, no page cache) and warm.
+
+    Beside the same step on the default root, in the same loop.
+    """
+    rows: list[dict[str, Any]] = []
+    _log(f"whole `strata run --image img --sandbox {sb} -- true`, cold and warm ({n} runs)")
+    try:
+        root = os.path.join(env.root, "image-root")
+        if not os.path.isdir(root):
+            _tiny_root(root)
+            env.cli("volume", "create", "img")
+            env.cli("import", "img", root, "-m", "a small root")
+        image = ("--image", "img")
+        env.step(sb, extra=image)  # warm the step service
+        cold, warm, default = [], [], []
+        for _ in range(n):
+            shutil.rmtree(env.cache, ignore_errors=True)
+            subprocess.run(["sync"], check=False)
+            with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            cold.append(env.step(sb, extra=image))
+            warm.append(env.step(sb, extra=image))
+            default.append(env.step(sb))
+    except Exception as exc:  # noqa: BLE001
+        _fail(f"--image steps, {sb}", exc)
+        return rows
+    base = statistics.median(default)
+    what = "the same step on the default root"
+    rows.append(row(f"whole `strata run --image` (a small root), cold, {sb}",
+                    statistics.median(cold), "ms", base, what))
+    rows.append(row(f"  same, warm, {sb}", statistics.median(warm), "ms", base, what))
     return rows
 
 

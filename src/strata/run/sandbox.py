@@ -28,6 +28,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -161,20 +162,34 @@ class StepCgroup:
         return False
 
     def remove(self) -> None:
-        for path in self.paths:
-            delay = 0.0005  # a pid namespace takes a moment to empty after its init died
-            deadline = time.monotonic() + 2.0
-            while True:
-                try:
-                    os.rmdir(path)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.05)
+        """Remove the cgroups now, or from a thread once their last task has left.
+
+        A sandbox's processes take a moment to go after its init died (gVisor's
+        Sentry and gofer tens of milliseconds): the step's answer does not wait
+        for that. What a runner that exits first leaves, the sweep removes.
+        """
+        busy = [p for p in self.paths if not _rmdir(p)]
+        if busy:
+            threading.Thread(target=_remove_later, args=(busy,), daemon=True).start()
+
+
+def _rmdir(path: str) -> bool:
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
+def _remove_later(paths: list[str]) -> None:
+    delay = 0.0005
+    deadline = time.monotonic() + 5.0
+    while paths and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+        paths = [p for p in paths if not _rmdir(p)]
 
 
 SWEEP_AGE = 60.0  # seconds: an empty step cgroup this old belongs to a dead runner

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import http.client
 import os
+import shutil
 import stat
+import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -174,3 +177,39 @@ def test_references_to_objects_the_store_lacks_are_refused(tmp_path: Path) -> No
             s.publish([ChangeSet("v", "live", s.head("v", "live"), {"f": f})])
         s.put_objects([(BLOCK, b"never uploaded")])
         assert s.publish([ChangeSet("v", "live", s.head("v", "live"), {"f": f})])
+
+
+# cap_setuid,cap_setgid+ep as the kernel stores it (struct vfs_cap_data, revision 2).
+SETUID_CAPS = struct.pack("<IIIII", 0x02000001, (1 << 6) | (1 << 7), 0, 0, 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="setting security.capability needs root")
+def test_file_capabilities_need_privileged(tmp_path: Path) -> None:
+    """Hardening II, finding 3: a snapshot's security.capability gave uid 65534 root."""
+    from strata.fsio import import_dir
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy2("/usr/bin/setpriv", src / "setpriv")
+    os.setxattr(src / "setpriv", "security.capability", SETUID_CAPS)
+    os.setxattr(src / "setpriv", "trusted.note", b"root's")
+    init_store(str(tmp_path / "s"))
+    with LocalStore(str(tmp_path / "s")) as s:
+        s.create_volume("v")
+        sid = import_dir(s, "v", "live", str(src))
+        report = export_snapshot(s, sid, str(tmp_path / "plain"))
+        export_snapshot(s, sid, str(tmp_path / "priv"), privileged=True)
+    os.chmod(tmp_path, 0o755)  # let uid 65534 reach the exports
+
+    def as_nobody(binary: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534",
+                               "--clear-groups", str(binary), "--reuid", "0", "--regid", "0",
+                               "--clear-groups", "id", "-u"], capture_output=True, text=True)
+
+    plain = tmp_path / "plain" / "setpriv"
+    assert os.listxattr(plain) == []
+    assert any("security.* and trusted.*" in r for r in report.skipped)
+    r = as_nobody(plain)
+    assert r.returncode != 0 and r.stdout.strip() != "0", (r.stdout, r.stderr)
+    # The control: the same file exported with --privileged carries its capabilities.
+    assert os.getxattr(tmp_path / "priv" / "setpriv", "security.capability") == SETUID_CAPS
+    assert as_nobody(tmp_path / "priv" / "setpriv").stdout.strip() == "0"

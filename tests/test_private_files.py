@@ -76,3 +76,30 @@ def test_mount_scratch_and_its_token_are_private(tmp_path: Path,
     for p in (tmp_path / "scratch", Path(st.scratch)):
         assert stat.S_IMODE(p.stat().st_mode) == 0o700, p
     assert stat.S_IMODE(state.stat().st_mode) == 0o600
+
+
+def test_the_servers_log_is_private_even_one_an_older_strata_made(tmp_path: Path) -> None:
+    """Hardening II, finding 12: serve.log names volumes and paths; it was 0644."""
+    store = tmp_path / "store"
+    assert cli("init", store=store).returncode == 0
+    (store / "serve.log").write_text("from an older strata\n")
+    os.chmod(store / "serve.log", 0o644)
+    try:
+        assert cli("volume", "list", store=store).returncode == 0  # starts the server
+        assert stat.S_IMODE((store / "serve.log").stat().st_mode) == 0o600
+    finally:
+        cli("serve", "--stop", store=store)
+
+
+def test_the_content_cache_is_private(tmp_path: Path) -> None:
+    """Hardening II, finding 12: the shared content cache holds every volume's bytes."""
+    from strata.engine.objects import BLOCK, object_id
+    from strata.mount.cache import ContentCache
+    old = tmp_path / "old-cache"
+    old.mkdir(mode=0o755)
+    os.chmod(old, 0o755)
+    for path in (tmp_path / "cache", old):
+        cache = ContentCache(str(path), measure=False)
+        data = b"another volume's secret"
+        cache.keep(object_id(BLOCK, data), data)
+        assert _open_to_others(path) == [], path

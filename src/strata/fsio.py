@@ -41,6 +41,9 @@ from strata.engine.tree import NodeCache, Trees, decode_name
 from strata.engine.txn import ContentWriter
 
 Progress = Callable[[int, int], None]
+# Extended attributes that grant privileges (security.capability acts on exec like a
+# setuid bit) or belong to the kernel and root: restored only by a privileged export.
+GUARDED_XATTRS = (b"security.", b"trusted.")
 # A target that refuses an xattr (no support, or a namespace only root may set) is reported.
 _UNSETTABLE_XATTR = (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES)
 _PROGRESS_EVERY = 256
@@ -264,6 +267,7 @@ class _Exporter:
         self.privileged = privileged
         self.unowned = 0
         self.setid = 0
+        self.guarded = 0  # entries whose security.* / trusted.* xattrs were left out
         self.links: dict[int, str] = {}  # hard-link group -> first path (from the root fd)
 
     def owner(self, dfd: int, name: str, e: Entry) -> None:
@@ -278,7 +282,13 @@ class _Exporter:
         # No *at form of setxattr: /proc/self/fd/N is the directory we hold open, and
         # `name` in it is the entry this export just created (never followed).
         path = f"/proc/self/fd/{dfd}/{name}"
+        guarded = False
         for key, value in e.xattrs:
+            if key.startswith(GUARDED_XATTRS) and not self.privileged:
+                # security.capability grants privileges on exec like a setuid bit, and
+                # security.* / trusted.* are the kernel's and root's: only when asked.
+                guarded = True
+                continue
             try:
                 os.setxattr(path, key, value, follow_symlinks=False)
             except OSError as exc:
@@ -286,6 +296,7 @@ class _Exporter:
                     raise
                 self.report.skipped.append(
                     f"xattr {os.fsdecode(key)} on {rel} ({exc.strerror})")
+        self.guarded += guarded
 
     def mode_of(self, e: Entry) -> int:
         if e.mode & 0o6000 and not self.privileged:
@@ -334,6 +345,10 @@ class _Exporter:
         if self.setid:
             self.report.skipped.append(
                 f"setuid/setgid bits of {self.setid} entries (export with --privileged)")
+        if self.guarded:
+            self.report.skipped.append(
+                f"security.* and trusted.* xattrs (file capabilities among them) of "
+                f"{self.guarded} entries (export with --privileged)")
 
     def directory(self, rootfd: int, dfd: int, rel: str, d: Entry) -> None:
         """Create the children of directory `d` (open as `dfd`), then finish them."""
@@ -384,8 +399,9 @@ def export_snapshot(store: Store, snapshot_id: str, dst_dir: str, *,
                     privileged: bool = False) -> ExportReport:
     """Write snapshot `snapshot_id` into `dst_dir`, which must be empty or absent.
 
-    Setuid/setgid bits and device nodes are restored only with `privileged`
-    (what a snapshot holds is not trusted to grant privileges on this host).
+    Setuid/setgid bits, device nodes and security.* / trusted.* xattrs (file
+    capabilities) are restored only with `privileged` (what a snapshot holds is
+    not trusted to grant privileges on this host).
     """
     root = store.snapshot(snapshot_id).root
     if os.path.lexists(dst_dir):

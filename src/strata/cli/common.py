@@ -88,7 +88,10 @@ def ensure_server(path: str, timeout: float = 15.0) -> str:
         return sock
     import subprocess
     idle = os.environ.get("STRATA_SERVER_IDLE_EXIT", "300")
-    with open(os.path.join(path, "serve.log"), "ab") as log:
+    # Owner only, like every store file (requests and errors name volumes and paths).
+    with open(os.open(os.path.join(path, "serve.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                      0o600), "ab") as log:
+        os.fchmod(log.fileno(), 0o600)  # one an older strata made 0644
         subprocess.Popen(
             [sys.executable, "-m", "strata", "serve", "--store", path, "--idle-exit", idle],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,

@@ -33,6 +33,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("refs", metavar="REF", nargs="+")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--ro", action="store_true", help="read-only mount")
+    p.add_argument("--privileged", action="store_true",
+                   help="let setuid/setgid bits and device nodes in the volume take effect "
+                        "(by default the mount is nosuid,nodev: whoever can publish to the "
+                        "volume is not trusted to grant privileges on this host)")
     p.add_argument("--multi", action="store_true",
                    help="present volumes as subdirectories even for one REF")
     p.add_argument("--background", action="store_true",
@@ -124,6 +128,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         url, token = store.url, store.token
     state = new_state(target, url, vols, single=single)
     state.extra["token"] = token
+    if args.privileged:
+        state.extra["privileged"] = True
     if server_url(args) is None:
         # The local store's own server exits when idle, but the mount reads through
         # it for its whole life: the mount process keeps it busy, and commit,
@@ -147,7 +153,8 @@ def _mount_via_service(args: argparse.Namespace, target: str, single: bool) -> i
     if not client.server_answers(store):
         ensure_server(store)
     result = client.call(store, {"op": "mount", "refs": refs, "target": target,
-                                     "ro": args.ro, "single": single}, kind="mount")
+                                     "ro": args.ro, "single": single,
+                                     "privileged": args.privileged}, kind="mount")
     print(f"mounted {result['mountpoint']}")
     return 0
 

@@ -48,7 +48,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("ref", metavar="REF")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--privileged", action="store_true",
-                   help="also restore setuid/setgid bits and device nodes (a snapshot is not "
+                   help="also restore setuid/setgid bits, device nodes and security.* / "
+                        "trusted.* xattrs such as file capabilities (a snapshot is not "
                         "trusted to grant privileges on this host unless you say so)")
     p.set_defaults(func=cmd_export)
 

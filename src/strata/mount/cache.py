@@ -64,7 +64,11 @@ class ContentCache:
                  measure: bool = True) -> None:
         self.path = path or default_cache_dir()
         self.limit = limit
-        os.makedirs(self.path, exist_ok=True)
+        # It holds every volume's bytes that this machine's mounts read: owner only.
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_mode & 0o077:
+                os.chmod(self.path, 0o700)  # made by an older strata, 0755
         self._lock = threading.Lock()
         self._size = 0
         self._dirs: set[str] = set()  # fan-out directories known to exist
@@ -149,11 +153,11 @@ class ContentCache:
     def _put(self, path: str, data: bytes) -> None:
         parent = os.path.dirname(path)
         if parent not in self._dirs:
-            os.makedirs(parent, exist_ok=True)
+            os.makedirs(parent, mode=0o700, exist_ok=True)
             self._dirs.add(parent)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 view = memoryview(data)
                 while view:

@@ -249,10 +249,16 @@ class Operations(pyfuse3.Operations):
 
 
 def run(fs: SnapshotFS, mountpoint: str, *, fsname: str = "strata",
-        on_ready: Callable[[], None] | None = None, id_shift: int = 0) -> None:
-    """Mount and serve until unmounted (blocks); owners shown plus `id_shift` (idshift.py)."""
+        on_ready: Callable[[], None] | None = None, id_shift: int = 0,
+        privileged: bool = False) -> None:
+    """Mount and serve until unmounted (blocks); owners shown plus `id_shift` (idshift.py).
+
+    libfuse mounts nosuid,nodev unless told `suid` and `dev` (`privileged`).
+    """
     options = set(pyfuse3.default_options)
     options |= {f"fsname={fsname}", "ro", "allow_other", "subtype=strata"}
+    if privileged:
+        options |= {"suid", "dev"}
     options.discard("default_permissions")
     options.add("default_permissions")
     ops = Operations(fs, id_shift)

@@ -227,7 +227,8 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
 
     try:
         fuse.run(fs, state.lower, fsname=f"strata:{state.volumes[0].volume}", on_ready=ready,
-                 id_shift=int(state.extra.get("id_shift", 0)))
+                 id_shift=int(state.extra.get("id_shift", 0)),
+                 privileged=bool(state.extra.get("privileged")) and "run" not in state.extra)
     except KeyboardInterrupt:
         pass
     if _discarding.is_set():

@@ -203,8 +203,10 @@ def mount_overlays(state: MountState) -> None:
     """Put overlayfs over the FUSE view for every writable volume (FUSE must be up)."""
     done: list[str] = []
     step = "run" in state.extra
-    # A step's volumes never raise privilege: setuid bits and device nodes are bytes.
-    secure = MS_NOSUID | MS_NODEV if step else 0
+    # Setuid bits and device nodes are bytes unless the mount was asked to honour
+    # them (`strata mount --privileged`); a step's volumes never do.
+    guarded = step or not state.extra.get("privileged")
+    secure = MS_NOSUID | MS_NODEV if guarded else 0
     try:
         if not state.single:
             # Volumes appear as DIR/NAME on a small private tmpfs, gone with the mount.
@@ -216,11 +218,11 @@ def mount_overlays(state: MountState) -> None:
             if not state.single:
                 os.makedirs(target, exist_ok=True)
             if v.readonly:
-                subprocess_bind(state.lower_of(v), target)
+                bind_readonly(state.lower_of(v), target, secure)
             else:
                 # A step's scratch goes whenever its runner dies: no sync of it helps.
                 mount_overlay(state.lower_of(v), state.upper(v), state.work(v), target,
-                              volatile=step, secure=step)
+                              volatile=step, secure=guarded)
             done.append(target)
     except BaseException:
         for t in reversed(done):
@@ -229,10 +231,15 @@ def mount_overlays(state: MountState) -> None:
         raise
 
 
-def subprocess_bind(src: str, target: str) -> None:
-    sys_mount(src, target, None, MS_BIND, None, "read-only bind mount")
+def bind_readonly(src: str, target: str, flags: int = 0) -> None:
+    """Bind `src` on `target` read-only, with `flags` (nosuid, nodev) kept by the remount.
+
+    A bind remount replaces the mount's flags: without them here it would drop
+    the nosuid and nodev the view below has.
+    """
+    sys_mount(src, target, None, MS_BIND | flags, None, "read-only bind mount")
     with contextlib.suppress(MountError):  # the FUSE view below is read-only anyway
-        sys_mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None,
+        sys_mount("none", target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags, None,
                   "read-only remount")
 
 

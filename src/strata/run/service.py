@@ -476,12 +476,13 @@ def _check_mount(raw: dict[str, Any]) -> dict[str, Any]:
     """A `mount --background` request: REFs as [name, volume, branch, snapshot, ro]."""
     from strata.engine.names import check_branch, check_hex_id, check_volume
     from strata.mount.session import MountRef
-    known = {"v", "op", "refs", "target", "ro", "single", "env", "cwd", "umask"}
+    known = {"v", "op", "refs", "target", "ro", "single", "privileged", "env", "cwd", "umask"}
     extra = set(raw) - known
     if extra:
         raise Refused(f"unknown request fields {sorted(extra)}")
     _check_common(raw)
-    for name in ("ro", "single"):
+    raw.setdefault("privileged", False)
+    for name in ("ro", "single", "privileged"):
         if not isinstance(raw.get(name), bool):
             raise Refused(f"{name} must be true or false")
     target = raw.get("target")
@@ -595,6 +596,8 @@ def _mount(conn: socket.socket, req: dict[str, Any], store_dir: str, mounter: Pr
         finally:
             store.close()
         state = new_state(req["target"], url, vols, single=req["single"])
+        if req["privileged"]:
+            state.extra["privileged"] = True
         # As cmd_mount: the mount keeps the store's server from idling, and commit,
         # status and unmount start it again if it is gone.
         state.extra["store"] = store_dir

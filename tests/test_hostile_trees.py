@@ -213,3 +213,31 @@ def test_file_capabilities_need_privileged(tmp_path: Path) -> None:
     # The control: the same file exported with --privileged carries its capabilities.
     assert os.getxattr(tmp_path / "priv" / "setpriv", "security.capability") == SETUID_CAPS
     assert as_nobody(tmp_path / "priv" / "setpriv").stdout.strip() == "0"
+
+
+def test_inner_tree_nodes_must_describe_their_children_over_tcp(tmp_path: Path) -> None:
+    """Hardening II, finding 11: two leaves of one directory both held `x` (`ls`: `x x`)."""
+    def inner(*children: tuple[bytes, bytes, int], level: int = 1) -> bytes:
+        return packb([level, [[first, oid, count] for first, oid, count in children]])
+
+    with served_volume(tmp_path / "s") as (server, tok):
+        port = server.tcp_port
+        assert port is not None
+        left = tree((b"a", entry_list()), (b"x", entry_list()))
+        right = tree((b"x", entry_list()), (b"z", entry_list()))
+        for leaf in (left, right):
+            assert upload(port, tok, leaf)[0] == 200  # each leaf alone is well formed
+        lid, rid = object_id(TREE, left), object_id(TREE, right)
+        hostile = {
+            "the same name in two leaves": inner((b"a", lid, 2), (b"x", rid, 2)),
+            "a count the child does not hold": inner((b"a", lid, 5)),
+            "a first name the child does not start with": inner((b"b", lid, 2)),
+            "a child two levels down": inner((b"a", lid, 2), level=2),
+        }
+        for what, raw in hostile.items():
+            status, body = upload(port, tok, raw)
+            assert status == 400, (what, status, body)
+        fine = tree((b"y", entry_list()), (b"z", entry_list()))
+        assert upload(port, tok, fine)[0] == 200
+        assert upload(port, tok, inner((b"a", lid, 2), (b"y", object_id(TREE, fine), 2)))[0] \
+            == 200

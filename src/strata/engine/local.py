@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,7 @@ from strata.engine.objects import (
     Entry,
     FileNode,
     Snapshot,
+    TreeNode,
     object_id,
     packb,
     references,
@@ -95,6 +96,34 @@ from strata.engine.storedir import (
 from strata.engine.tree import NodeCache, Trees
 
 __all__ = ["MAX_OBJECT", "LocalStore", "StoreConfig", "init_store", "read_store_meta"]
+
+
+def check_tree_shape(node: TreeNode, get: Callable[[bytes], TreeNode]) -> None:
+    """An inner tree node must describe its children exactly, or lookups and listings lie.
+
+    Each child is one level down, holds as many entries as the parent says,
+    and its names lie in its range: from its first name up to (not including)
+    the next child's. Otherwise two leaves could hold the same name (`ls`
+    showed `x x`, and export failed), or a name could sit where no lookup
+    goes. Each node's own order was checked when it arrived (server/wire.py).
+    """
+    if node.level == 0:
+        return
+    kids = node.children
+    for i, (first, oid, count) in enumerate(kids):
+        child = get(oid)
+        if child.level != node.level - 1:
+            raise InvalidInput(f"a level-{node.level} tree node has a level-{child.level} child")
+        if child.count != count:
+            raise InvalidInput(f"a tree node says its child holds {count} entries, "
+                               f"not the {child.count} it holds")
+        if child.first != first:
+            raise InvalidInput("a tree node names its child by a name it does not start with")
+        last = child
+        while last.level > 0:  # the rightmost leaf holds the child's last name
+            last = get(last.children[-1][1])
+        if i + 1 < len(kids) and last.entries and not last.entries[-1][0] < kids[i + 1][0]:
+            raise InvalidInput("two tree nodes of one directory hold overlapping names")
 
 
 class LocalStore(Store):
@@ -696,6 +725,10 @@ class LocalStore(Store):
         if lacking:
             raise InvalidInput(f"a tree node refers to {len(lacking)} object(s) the store "
                                f"lacks, e.g. {lacking[0].hex()}")
+        sent = {object_id(k, raw): raw for k, raw in objects if k == TREE}
+        for raw in sent.values():
+            check_tree_shape(TreeNode.decode(raw), lambda oid: TreeNode.decode(
+                sent[oid] if oid in sent else self.get_object(oid)))
 
     def check_refs_reachable(self, volume: str, changesets: Sequence[ChangeSet],
                              objects: Sequence[tuple[int, bytes]], *,

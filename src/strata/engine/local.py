@@ -52,6 +52,7 @@ from strata.engine.interface import ChangeSet, Lease, SnapshotInfo, Store
 from strata.engine.journal import MAX_OBJECT, Journal, Pos
 from strata.engine.names import check_branch, check_hex_id, check_volume
 from strata.engine.objects import (
+    BLOCK,
     EMPTY_SNAPSHOT_ID,
     EMPTY_SNAPSHOT_RAW,
     EMPTY_TREE,
@@ -340,6 +341,50 @@ class LocalStore(Store):
     def give(self, volume: str, oids: Sequence[bytes]) -> None:
         """Make objects a writer of `volume` uploaded reachable for it (it has their bytes)."""
         self._indexer.reach.give(volume_key(volume, self.volume_id(volume)), oids)
+
+    def _vet(self, volume: str, roots: dict[bytes, int],
+             given: dict[bytes, tuple[int, bytes]]) -> None:
+        """Everything a publish makes reachable must be in `volume`'s reach, and present.
+
+        Walks down from `roots` (the change sets' references) through every
+        object that is not vetted yet: those in this publish (`given`) and
+        those a writer of the volume uploaded before. A vetted object's subtree
+        was checked already (a snapshot walk or an earlier publish). Without
+        this, an uploaded file node naming another volume's block, under an
+        uploaded tree, became readable through the tree (the web view served
+        it) and kept that block alive after its own volume let it go.
+        """
+        from strata.engine.reach import GIVEN
+        key = volume_key(volume, self.volume_id(volume))
+        reach = self._indexer.reach
+        todo = dict(roots)
+        seen: set[bytes] = set()
+        checked: list[bytes] = []
+        while todo:
+            batch = [oid for oid in todo if oid not in seen]
+            kinds = {oid: todo[oid] for oid in batch}
+            todo = {}
+            outside = [oid for oid in batch if oid not in given]
+            states = dict(zip(outside, reach.states(key, outside), strict=True))
+            if any(s is None for s in states.values()):
+                self.reachable(volume, outside)  # a miss: walk the history gained since
+                states = dict(zip(outside, reach.states(key, outside), strict=True))
+            for oid in batch:
+                seen.add(oid)
+                state = states.get(oid, GIVEN)
+                if state is None or (oid not in given and not self._indexer.has(oid)):
+                    raise InvalidInput(f"publish refers to object {oid.hex()} the store lacks")
+                if state != GIVEN or kinds[oid] == BLOCK:
+                    continue  # vetted already, or a block: it refers to nothing
+                raw = given[oid][1] if oid in given else self.get_object(oid)
+                try:
+                    todo.update((o, k) for k, o in references(kinds[oid], raw))
+                except ValueError as exc:
+                    raise InvalidInput(f"object {oid.hex()} does not decode: {exc}") from None
+                if oid not in given:
+                    checked.append(oid)
+        # Marked only once the whole walk held: what an upload gave is now known good.
+        reach.vet(key, checked)
 
     def object_size(self, oid: bytes) -> int:
         """An object's raw size from its frame header, read without its body."""
@@ -763,17 +808,11 @@ class LocalStore(Store):
         for oid, ok in zip(outside, self.reachable(volume, outside), strict=True):
             if not ok:
                 raise InvalidInput(f"publish refers to object {oid.hex()} the store lacks")
-        named = sorted(oid for oid, k in want.items() if k == FILENODE and oid not in given)
-        blocks: set[bytes] = set()
-        for oid in named:
-            try:
-                blocks.update(b for _k, b in references(FILENODE, self.get_object(oid)))
-            except ValueError as exc:
-                raise InvalidInput(f"file node {oid.hex()} does not decode: {exc}") from None
-        outside = sorted(blocks - given.keys())
-        for oid, ok in zip(outside, self.reachable(volume, outside), strict=True):
-            if not ok:
-                raise InvalidInput(f"publish refers to object {oid.hex()} the store lacks")
+        if not upload:
+            roots = {e.ref: FILENODE if e.kind == K_FILE else TREE for cs in changesets
+                     for e in cs.changes.values()
+                     if isinstance(e, Entry) and isinstance(e.ref, bytes)}
+            self._vet(volume, roots, given)
 
     def _check_refs_exist(self, changesets: Sequence[ChangeSet], given: dict[bytes, int],
                           nodes: dict[bytes, bytes] | None = None) -> set[bytes]:

@@ -8,8 +8,13 @@ elsewhere is not a capability.
 
 Facts are kept in the index's `reach` table, per volume identity:
 `o` + object id (reachable or given) and `s` + snapshot id (its whole tree
-is marked). A volume deleted and made anew under the same name has another
-identity and starts empty.
+is marked). An object's value says how it came: empty when a snapshot's walk
+reached it or a publish checked everything under it (vetted), `g` when a
+writer uploaded it and nothing below it has been checked yet. A publish that
+makes a given object reachable checks its subtree first (LocalStore.
+check_refs_reachable): an uploaded tree or file node may name anything.
+A volume deleted and made anew under the same name has another identity
+and starts empty.
 
 The table grows lazily: a miss walks each branch head back to the first
 snapshot already marked, and marks the new snapshots' trees, descending only
@@ -34,6 +39,7 @@ from strata.engine.index import Index
 from strata.engine.objects import BLOCK, SNAPSHOT, references
 
 Fetch = Callable[[bytes], bytes]
+VETTED, GIVEN = b"", b"g"  # an object's mark: its subtree checked, or only uploaded
 
 
 def volume_key(volume: str, volume_id: str) -> bytes:
@@ -56,7 +62,19 @@ class Reach:
         """Record objects a writer of the volume uploaded (it holds their bytes)."""
         with self._env.begin(write=True, db=self._db) as txn:
             for oid in oids:
-                txn.put(key + b"o" + oid, b"", overwrite=False)
+                txn.put(key + b"o" + oid, GIVEN, overwrite=False)
+
+    def states(self, key: bytes, oids: Sequence[bytes]) -> list[bytes | None]:
+        """Each object's mark: None (out of reach), GIVEN, or VETTED."""
+        with self._env.begin(db=self._db) as txn:
+            return [None if (v := txn.get(key + b"o" + oid)) is None else bytes(v)
+                    for oid in oids]
+
+    def vet(self, key: bytes, oids: Iterable[bytes]) -> None:
+        """Record that everything under these objects is in the volume's reach."""
+        with self._env.begin(write=True, db=self._db) as txn:
+            for oid in oids:
+                txn.put(key + b"o" + oid, VETTED)
 
     def extend(self, key: bytes, heads: Iterable[str], parent_of: Callable[[str], str | None],
                fetch: Fetch) -> None:

@@ -51,7 +51,9 @@ if TYPE_CHECKING:
 DEFAULT_MIN_AGE = 300.0       # seconds an object stays unreachable before it is deleted
 DEFAULT_EXPIRE_RUNS = 86400.0  # run/* and rejected/* branches live this long by default
 PIN_LIFETIME = 120.0           # pins must be renewed within this
-MAX_PINS = 100_000
+MAX_PINS = 100_000         # the owner's own pins (its mounts and steps)
+TOKEN_PINS = 4_096         # one token's pins at once
+ALL_TOKEN_PINS = 50_000    # every token's together: never the owner's share
 UPLOAD_PIN = 600.0             # objects uploaded or found present stay this long unpublished
 COMPACT_BELOW = 0.5            # a sealed pack under this fraction live is compacted
 POLICIES = "policies.json"     # where policies lived before the journal held them
@@ -186,28 +188,55 @@ class Pins:
     def __init__(self, store_dir: str | None = None) -> None:
         self._lock = threading.Lock()
         self._pins: dict[str, tuple[str, float]] = {}  # id -> (snapshot, expiry)
+        # Who holds each pin: "" the owner, else a token id. A token holder pins up to
+        # TOKEN_PINS, all tokens together ALL_TOKEN_PINS; the owner's share is apart.
+        self._holder: dict[str, str] = {}
+        self._held: dict[str, int] = {}  # holder -> pins it holds
         self._path = os.path.join(store_dir, PINS_UNTIL) if store_dir else None
         # Wall clock: the earlier owner's pins may be held until then (0: none).
         self.inherited = _read_until(self._path) if self._path else 0.0
         self._until = self.inherited
 
-    def pin(self, sid: str, ttl: float) -> str:
+    def pin(self, sid: str, ttl: float, holder: str = "") -> str:
+        """Pin `sid`; `holder` is the token id asking ("": the owner)."""
         pid = os.urandom(16).hex()
         with self._lock:
-            if len(self._pins) >= MAX_PINS:
+            if self._full_locked(holder):
                 self.live_locked()
-                if len(self._pins) >= MAX_PINS:
+                if self._full_locked(holder):
+                    if holder:
+                        raise Unavailable(f"this token holds {self._held.get(holder, 0)} pins "
+                                          f"(tokens may hold {TOKEN_PINS} each, "
+                                          f"{ALL_TOKEN_PINS} together): release some first")
                     raise Unavailable(f"{MAX_PINS} pins are held: release some first")
             ttl = _ttl(ttl)
             self._extend_locked(ttl)
             self._pins[pid] = (sid, time.monotonic() + ttl)
+            self._holder[pid] = holder
+            self._held[holder] = self._held.get(holder, 0) + 1
         return pid
+
+    def _full_locked(self, holder: str) -> bool:
+        if not holder:
+            return self._held.get("", 0) >= MAX_PINS
+        tokens = len(self._pins) - self._held.get("", 0)
+        return self._held.get(holder, 0) >= TOKEN_PINS or tokens >= ALL_TOKEN_PINS
+
+    def _drop_locked(self, pid: str) -> None:
+        if self._pins.pop(pid, None) is None:
+            return
+        holder = self._holder.pop(pid, "")
+        left = self._held.get(holder, 1) - 1
+        if left:
+            self._held[holder] = left
+        else:
+            self._held.pop(holder, None)
 
     def renew(self, pid: str, ttl: float) -> None:
         with self._lock:
             cur = self._pins.get(pid)
             if cur is None or cur[1] < time.monotonic():
-                self._pins.pop(pid, None)
+                self._drop_locked(pid)
                 raise NotFound("no such pin (expired or released)")
             ttl = _ttl(ttl)
             self._extend_locked(ttl)
@@ -234,7 +263,7 @@ class Pins:
 
     def release(self, pid: str) -> None:
         with self._lock:
-            self._pins.pop(pid, None)
+            self._drop_locked(pid)
 
     def live(self) -> set[str]:
         with self._lock:
@@ -243,7 +272,7 @@ class Pins:
     def live_locked(self) -> set[str]:
         now = time.monotonic()
         for pid in [p for p, (_s, exp) in self._pins.items() if exp < now]:
-            del self._pins[pid]
+            self._drop_locked(pid)
         return {sid for sid, _exp in self._pins.values()}
 
 

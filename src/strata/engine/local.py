@@ -270,7 +270,8 @@ class LocalStore(Store):
                 else:
                     self._held[key] = (count - 1, t)
 
-    def pin(self, volume: str, sids: Sequence[str], ttl: float) -> list[str]:
+    def pin(self, volume: str, sids: Sequence[str], ttl: float, holder: str = "") -> list[str]:
+        """Pin snapshots for `ttl` seconds; `holder` is the asking token's id ("": the owner)."""
         check_volume(volume)
         if not isinstance(sids, list | tuple) or not 0 < len(sids) <= 64:
             raise InvalidInput("pin 1 to 64 snapshots at a time")
@@ -282,7 +283,7 @@ class LocalStore(Store):
                         raise Expired(f"snapshot {sid} expired (retention policy; garbage "
                                       "collection removed it)")
                     raise NotFound(f"no snapshot {sid}")
-            return [self.pins.pin(sid, ttl) for sid in sids]
+            return [self.pins.pin(sid, ttl, holder) for sid in sids]
 
     def renew_pins(self, volume: str, pins: Sequence[str], ttl: float) -> None:
         for pid in pins:

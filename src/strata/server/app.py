@@ -681,7 +681,8 @@ async def pins(request: web.Request) -> web.Response:
             ok = await state.run(store.reachable, volume, oids)
             if not all(ok):
                 raise NotFound("no such snapshot")
-        got = await state.run(store.pin, volume, sids, float(ttl or 60.0))
+        got = await state.run(store.pin, volume, sids, float(ttl or 60.0),
+                              "" if scope.is_owner else f"token:{scope.token_id}")
         return web.json_response({"pins": got})
     ids = _field(body, "pins", list)
     if not 0 < len(ids) <= 64 or not all(isinstance(x, str) for x in ids):

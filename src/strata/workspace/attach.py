@@ -63,7 +63,7 @@ MKFS = ["mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=1,lazy_journa
 # commit, so a flush that fails (this daemon killed, the server refusing a fenced
 # host) still acknowledges the fsync. Host-loss tests lost acknowledged O_DSYNC
 # appends that way (docs/workspaces.md, "Why ordered journal commits").
-MOUNT_OPTIONS = "noatime"
+MOUNT_OPTIONS = "noatime,nosuid,nodev"  # what a workspace holds never raises privilege
 
 
 @dataclass

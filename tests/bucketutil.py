@@ -25,6 +25,7 @@ from typing import Any
 
 from strata.engine.errors import StrataError
 from strata.engine.local import LocalStore
+from strata.engine.seal import KEY_FILE, read_key_file
 from strata.engine.txn import Transaction
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -153,6 +154,11 @@ class FaultProxy:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def key_of(store: Path) -> bytes:
+    """The bucket key of a store (read it before the store's disk is lost)."""
+    return read_key_file(str(store / KEY_FILE))
 
 
 def set_env(env: dict[str, str]) -> None:

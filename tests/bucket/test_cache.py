@@ -21,6 +21,7 @@ from strata.engine import pack as packfmt
 from strata.engine.errors import Corrupt
 from strata.engine.local import LocalStore, init_store
 from strata.engine.objects import FileNode
+from strata.engine.seal import KEY_FILE, BucketKey, read_key_file
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
 
@@ -115,7 +116,11 @@ def _bucket_pack(bucket: Path, number: int) -> Path:
 
 
 def test_bytes_from_the_bucket_are_checked_against_their_ids(tmp_path: Path) -> None:
-    """A forged object with a valid frame is refused; a flipped byte names the object."""
+    """A forged object with a valid frame is refused; a flipped byte names the object.
+
+    The forgery is sealed with the store's key here, as only its holder (or a
+    bug) could: the id check behind the seal still refuses it.
+    """
     url = f"file://{tmp_path}/bucket"
     store = tmp_path / "a"
     init_store(str(store), bucket=url, pack_size_limit=MiB)
@@ -125,11 +130,14 @@ def test_bytes_from_the_bucket_are_checked_against_their_ids(tmp_path: Path) -> 
         assert e is not None and e.ref is not None
         block = FileNode.decode(s.get_object(e.ref)).blocks[0]
         number, offset, length, _kind = s._indexer.locate(block)  # type: ignore[misc]
+    secret = read_key_file(str(store / KEY_FILE))
+    key = BucketKey(secret)
     shutil.rmtree(store)
-    restore(url, str(tmp_path / "b"))
+    restore(url, str(tmp_path / "b"), key=secret)
 
     obj = _bucket_pack(tmp_path / "bucket", number)
-    data = bytearray(obj.read_bytes())
+    name = f"packs/{obj.name}"
+    data = bytearray(key.open(name, obj.read_bytes()))
     frame = bytes(data[offset:offset + length])
     sync = frame[:packfmt.SYNC_SIZE]
     kind, oid, raw = packfmt.decode_object(frame, sync, "test", offset)
@@ -140,7 +148,7 @@ def test_bytes_from_the_bucket_are_checked_against_their_ids(tmp_path: Path) -> 
     assert len(new) == length  # random bytes do not compress: the frame keeps its size
     data[offset:offset + length] = new
     obj.chmod(0o600)
-    obj.write_bytes(bytes(data))
+    obj.write_bytes(key.seal(name, bytes(data)))
     with LocalStore(str(tmp_path / "b")) as s:
         with pytest.raises(Corrupt, match="does not hash to its id") as err:
             Transaction(s, "v").read("f001")
@@ -148,7 +156,7 @@ def test_bytes_from_the_bucket_are_checked_against_their_ids(tmp_path: Path) -> 
         assert Transaction(s, "v").read("f002") == want["f002"]
 
     data[offset + length // 2] ^= 0x01  # now the frame's checksum fails too
-    obj.write_bytes(bytes(data))
+    obj.write_bytes(key.seal(name, bytes(data)))
     with LocalStore(str(tmp_path / "b")) as s, pytest.raises(Corrupt) as err:
         Transaction(s, "v").read("f001")
     assert obj.name in str(err.value)

@@ -17,6 +17,7 @@ from pathlib import Path
 from strata.engine.errors import StrataError
 from strata.engine.gc import PINS_UNTIL
 from strata.engine.local import LocalStore, init_store
+from strata.engine.seal import KEY_FILE, read_key_file
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
 
@@ -60,8 +61,9 @@ def test_collected_packs_leave_the_bucket_after_a_checkpoint(bucket_url: str,
         assert not any(tier.bucket.exists(n) for n in gone)
         assert tier.report()["packs_deleted"] >= len(gone)
         want = Transaction(s, "v").read("big")
+    key = read_key_file(str(store / KEY_FILE))
     shutil.rmtree(store)
-    restore(bucket_url, str(tmp_path / "b"))
+    restore(bucket_url, str(tmp_path / "b"), key=key)
     with LocalStore(str(tmp_path / "b")) as s:
         t = Transaction(s, "v")
         assert t.read("big") == want and t.read("keep") == b"kept"
@@ -94,7 +96,8 @@ def test_policies_travel_with_the_bucket(bucket_url: str, tmp_path: Path) -> Non
     want = {"v": {"keep_last": 2}, "v@side": {"keep_last": 1}}
     assert s.policies.load() == want
     try:
-        restore(bucket_url, str(tmp_path / "b"))  # while `a` still runs: a new machine
+        # While `a` still runs: a new machine.
+        restore(bucket_url, str(tmp_path / "b"), key=read_key_file(str(store / KEY_FILE)))
         with LocalStore(str(tmp_path / "b")) as r:
             # Pins `a` granted are unknown here: a pass right after the takeover waits.
             rt = r._tier

@@ -24,7 +24,7 @@ from strata.engine.local import init_store
 from strata.engine.tier import restore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bucketutil import BUCKET, Moto, Publisher, survivors  # noqa: E402
+from bucketutil import BUCKET, Moto, Publisher, key_of, survivors  # noqa: E402
 from serverutil import Server  # noqa: E402
 
 ROUNDS = 4
@@ -66,8 +66,9 @@ def test_random_kills_then_a_lost_disk(moto: Moto, monkeypatch: pytest.MonkeyPat
         assert len(kept) == len(acked), (seed, r, len(acked) - len(kept))
     assert len(acked) > 50, acked
     local_bytes = sum(p.stat().st_size for p in (store / "packs").glob("*.pack"))
+    key = key_of(store)  # kept away from the host, as its owner must
     shutil.rmtree(store)  # the disk is lost
-    report = restore(url, str(tmp_path / "host-b"))
+    report = restore(url, str(tmp_path / "host-b"), key=key)
     got = survivors(tmp_path / "host-b", acked, 60_000)
     lost = [p for p, t in acked if (p, t) not in got]
     print(f"seed {seed} sync={sync}: {len(acked)} acknowledged over {ROUNDS + 1} kills, "

@@ -17,6 +17,7 @@ import pytest
 
 from strata.engine.errors import Unavailable
 from strata.engine.local import LocalStore, init_store
+from strata.engine.seal import KEY_FILE, read_key_file
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
 
@@ -56,8 +57,12 @@ def _publish(s: LocalStore, path: str) -> None:
     t.commit()
 
 
-def _all_there(url: str, store: Path, paths: list[str]) -> None:
-    restore(url, str(store))
+def _all_there(url: str, tmp: Path, paths: list[str]) -> None:
+    """Lose host a's disk (its key kept), restore into b: every path reads back."""
+    key = read_key_file(str(tmp / "a" / KEY_FILE))
+    shutil.rmtree(tmp / "a")
+    store = tmp / "b"
+    restore(url, str(store), key=key)
     with LocalStore(str(store)) as s:
         t = Transaction(s, "v")
         for p in paths:
@@ -92,8 +97,7 @@ def test_the_default_mode_publishes_through_an_outage_and_catches_up(
             time.sleep(0.1)
         assert s._tier.report()["unshipped_bytes"] == 0, s._tier.report()
         assert s._tier.failed is None
-    shutil.rmtree(tmp_path / "a")
-    _all_there(url, tmp_path / "b", done)
+    _all_there(url, tmp_path, done)
 
 
 def test_strict_mode_answers_unavailable_and_loses_nothing(
@@ -111,8 +115,7 @@ def test_strict_mode_answers_unavailable_and_loses_nothing(
         assert waited < 20, waited
         proxy.fail_status = None
         _publish(s, "after")  # the store goes on once the bucket is back
-    shutil.rmtree(tmp_path / "a")
-    _all_there(url, tmp_path / "b", ["before", "after"])
+    _all_there(url, tmp_path, ["before", "after"])
 
 
 @pytest.mark.parametrize("status", [500, 429])
@@ -126,5 +129,4 @@ def test_bursts_of_errors_are_retried(proxy: FaultProxy, tmp_path: Path, status:
         for p in paths:
             _publish(s, p)  # every other request fails; each publish still lands
         proxy.fail_status = None
-    shutil.rmtree(tmp_path / "a")
-    _all_there(url, tmp_path / "b", paths)
+    _all_there(url, tmp_path, paths)

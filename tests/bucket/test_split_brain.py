@@ -11,6 +11,7 @@ acknowledged is in B's store, and fsck is clean.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import subprocess
@@ -85,7 +86,8 @@ def test_split_brain_the_old_owner_is_fenced_and_nothing_acknowledged_is_lost(
     a_dir, b_dir = tmp_path / "host-a", tmp_path / "host-b"
     a = Server(a_dir, args=("--bucket", url, "--sync", "bucket"), prefix=h.exec_prefix("a"),
                env=moto.env(f"http://{h.bucket_address['a']}:{moto.port}"))
-    b = Server(b_dir, args=("--bucket", url, "--takeover", "--sync", "bucket"),
+    b = Server(b_dir, args=("--bucket", url, "--takeover", "--sync", "bucket",
+                            "--key-file", str(a_dir / "bucket.key")),
                prefix=h.exec_prefix("b"),
                env=moto.env(f"http://{h.bucket_address['b']}:{moto.port}"))
     try:
@@ -126,7 +128,8 @@ def test_split_brain_the_old_owner_is_fenced_and_nothing_acknowledged_is_lost(
         p = subprocess.run([*h.exec_prefix("a"), sys.executable, "-m", "strata", "serve",
                             "--store", str(a_dir), "--bucket", url],
                            capture_output=True, timeout=60,
-                           env={**moto.env(f"http://{h.bucket_address['a']}:{moto.port}")})
+                           env={**moto.env(f"http://{h.bucket_address['a']}:{moto.port}"),
+                                "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
         assert p.returncode != 0 and b"taken over" in p.stderr, p.stderr[-2000:]
     finally:
         a.kill()

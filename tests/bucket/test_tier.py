@@ -23,7 +23,7 @@ from strata.engine.tier import restore
 from strata.engine.txn import Transaction
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bucketutil import Publisher, content, survivors  # noqa: E402
+from bucketutil import Publisher, content, key_of, survivors  # noqa: E402
 from serverutil import Server, cli  # noqa: E402
 
 
@@ -50,6 +50,7 @@ def _start(tmp: Path, url: str, sync: str) -> tuple[Server, Path]:
 def test_a_lost_disk_loses_at_most_the_loss_window(bucket_url: str, tmp_path: Path,
                                                    sync: str) -> None:
     server, store = _start(tmp_path, bucket_url, sync)
+    key = key_of(store)
     pubs = [Publisher(server, f"c{k}-") for k in range(3)]  # three clients at once
     try:
         for pub in pubs:
@@ -63,7 +64,7 @@ def test_a_lost_disk_loses_at_most_the_loss_window(bucket_url: str, tmp_path: Pa
     per_client = [[(p, t) for p, t in pub.acked if t <= killed] for pub in pubs]
     acked = sorted((a for c in per_client for a in c), key=lambda a: a[1])
     assert all(len(c) > 5 for c in per_client), [pub.error for pub in pubs]
-    report = restore(bucket_url, str(tmp_path / "host-b"))
+    report = restore(bucket_url, str(tmp_path / "host-b"), key=key)
     assert report["packs_in_bucket"] >= 1, report  # read back lazily, not downloaded
     survived = set(survivors(tmp_path / "host-b", acked))
     lost = [p for p, t in acked if (p, t) not in survived]
@@ -91,7 +92,7 @@ def test_a_takeover_fences_the_old_owner(bucket_url: str, tmp_path: Path) -> Non
                 t = Transaction(owner, "v")
                 t.write(f"a{i}", content(f"a{i}"))
                 t.commit()
-            restore(bucket_url, str(tmp_path / "host-b"), sync="bucket")
+            restore(bucket_url, str(tmp_path / "host-b"), key=key_of(store), sync="bucket")
             t = Transaction(owner, "v")
             t.write("after-takeover", b"must not land")
             with pytest.raises(StrataError):
@@ -118,7 +119,7 @@ def test_an_idle_old_owner_notices_the_takeover_and_stops(bucket_url: str,
             t.write("a", b"before")
             t.commit()
         time.sleep(3.0)  # shipped and checkpointed: the old owner goes idle
-        restore(bucket_url, str(tmp_path / "host-b"))
+        restore(bucket_url, str(tmp_path / "host-b"), key=key_of(store))
         assert server.proc is not None
         assert server.proc.wait(15) == 3
         assert "taken over" in server.log.read_text(errors="replace")
@@ -146,8 +147,9 @@ def test_a_restored_store_restored_again_keeps_everything(bucket_url: str,
         s.sync_index()
         a_objects = s.index.count_objects()
         assert a_objects > 3000
+    key = key_of(a)
     shutil.rmtree(a)
-    restore(bucket_url, str(b))
+    restore(bucket_url, str(b), key=key)
     with LocalStore(str(b)) as s:
         assert Transaction(s, "v").read("a0") == content("a0", 5000)  # one index block
         s.create_volume("w")  # a publish beside v's tree, not through it
@@ -164,7 +166,7 @@ def test_a_restored_store_restored_again_keeps_everything(bucket_url: str,
     cp = Checkpoint.decode("tier-checkpoint", (b / "tier-checkpoint").read_bytes())
     assert cp.entries > a_objects, (cp.entries, a_objects)
     shutil.rmtree(b)
-    restore(bucket_url, str(c))
+    restore(bucket_url, str(c), key=key)
     got = survivors(c, [(f"a{i}", 0.0) for i in range(3000)], 5000)
     assert len(got) == 3000
     with LocalStore(str(c)) as s:
@@ -181,8 +183,9 @@ def test_a_damaged_pack_in_the_bucket_is_an_error_naming_it(tmp_path: Path) -> N
             t = Transaction(s, "v")
             t.write(f"f{i}", os.urandom(60_000))
             t.commit()
+    key = key_of(store)
     shutil.rmtree(store)
-    restore(url, str(tmp_path / "b"))
+    restore(url, str(tmp_path / "b"), key=key)
     packs = sorted((tmp_path / "bucket" / "packs").iterdir())
     assert packs
     victim = packs[0]
@@ -205,8 +208,11 @@ def test_the_cli_inits_restores_and_reports(tmp_path: Path) -> None:
     p = cli("stats", "--json", store=a)
     assert p.returncode == 0 and b'"bucket": "file://' in p.stdout, p.stderr
     assert cli("serve", "--stop", store=a).returncode == 0
+    (tmp_path / "bucket.key").write_bytes((a / "bucket.key").read_bytes())
     shutil.rmtree(a)
     p = cli("restore", "--bucket", url, store=b)
+    assert p.returncode != 0 and b"--key-file" in p.stderr, p.stderr
+    p = cli("restore", "--bucket", url, "--key-file", str(tmp_path / "bucket.key"), store=b)
     assert p.returncode == 0 and b"restored" in p.stdout, p.stderr
     p = cli("cat", "v", "hello", store=b)
     assert (p.returncode, p.stdout) == (0, b"hi there"), p.stderr

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Any
 
-from strata.cli.common import Progress, open_store, parse_size, print_json, store_path
+from strata.cli.common import (
+    Progress,
+    add_key_options,
+    bucket_key,
+    open_store,
+    parse_size,
+    print_json,
+    store_path,
+)
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -18,6 +28,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-size", type=parse_size, default=None, metavar="BYTES",
                    help="with --bucket: local disk budget; packs safely in the bucket are "
                         "evicted above it, least recently read first")
+    p.add_argument("--no-encrypt", action="store_true",
+                   help="with --bucket: authenticate what goes to the bucket, but do not "
+                        "encrypt it")
     p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("restore", parents=[common],
@@ -26,6 +39,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", choices=["local", "bucket"], default="local")
     p.add_argument("--cache-size", type=parse_size, default=None, metavar="BYTES",
                    help="local disk budget (see init)")
+    add_key_options(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_restore)
 
@@ -47,8 +61,13 @@ def cmd_init(args: argparse.Namespace) -> int:
     if args.bucket:
         from strata.engine.bucket import Bucket  # obstore: only with a bucket
         Bucket(args.bucket).check_conditional()
-    init_store(path, bucket=args.bucket, sync=args.sync, cache_size=args.cache_size)
+    init_store(path, bucket=args.bucket, sync=args.sync, cache_size=args.cache_size,
+               encrypt=not args.no_encrypt)
     print(f"strata store at {path}" + (f", kept in {args.bucket}" if args.bucket else ""))
+    if args.bucket:
+        from strata.engine.seal import KEY_FILE
+        print(f"its bucket key is {os.path.join(path, KEY_FILE)}: keep a copy away from this "
+              "host and the bucket; a restore needs it (--key-file)")
     return 0
 
 
@@ -57,8 +76,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
     path = store_path(args)
     progress = Progress("replaying the log")
     try:
-        report = restore(args.bucket, path, sync=args.sync, cache_size=args.cache_size,
-                         progress=progress)
+        report = restore(args.bucket, path, key=bucket_key(args),
+                         unauthenticated=args.unauthenticated, sync=args.sync,
+                         cache_size=args.cache_size, progress=progress)
     finally:
         progress.close()
     if args.json:
@@ -67,6 +87,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
         print(f"restored {path} from {args.bucket} in {report['seconds']:.2f} s: owner epoch "
               f"{report['epoch']}, {report['packs_in_bucket']} pack(s) left in the bucket, "
               f"{report['segments']} log segment(s) replayed ({report['bytes']} bytes)")
+    if not report["authenticated"]:
+        print("strata: warning: the bucket is unauthenticated (bucket format 1, made before "
+              "bucket keys): what was restored is unverified", file=sys.stderr)
     return 0
 
 

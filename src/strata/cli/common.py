@@ -41,6 +41,25 @@ def store_path(args: argparse.Namespace) -> str:
     return path or os.path.join(os.path.expanduser("~"), ".local", "share", "strata")
 
 
+def bucket_key(args: argparse.Namespace) -> bytes | None:
+    """The key in --key-file, else in $STRATA_BUCKET_KEY_FILE, else None."""
+    path = getattr(args, "key_file", None) or os.environ.get("STRATA_BUCKET_KEY_FILE")
+    if not path:
+        return None
+    from strata.engine.seal import read_key_file
+    return read_key_file(path)
+
+
+def add_key_options(p: argparse.ArgumentParser) -> None:
+    """--key-file and --unauthenticated, for commands that read a bucket's store."""
+    p.add_argument("--key-file", metavar="PATH",
+                   help="the store's bucket key (STORE/bucket.key of the store that made "
+                        "the bucket; default: $STRATA_BUCKET_KEY_FILE)")
+    p.add_argument("--unauthenticated", action="store_true",
+                   help="read a bucket made before bucket keys (format 1), which nothing "
+                        "protects from whoever can write to the bucket")
+
+
 def server_url(args: argparse.Namespace) -> str | None:
     """--server, else $STRATA_SERVER, else None (use the local store's own server)."""
     return getattr(args, "server", None) or os.environ.get("STRATA_SERVER") or None

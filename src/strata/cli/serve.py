@@ -6,7 +6,15 @@ import argparse
 import sys
 from typing import Any
 
-from strata.cli.common import Progress, open_remote, parse_size, print_json, store_path
+from strata.cli.common import (
+    Progress,
+    add_key_options,
+    bucket_key,
+    open_remote,
+    parse_size,
+    print_json,
+    store_path,
+)
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -27,6 +35,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-size", type=parse_size, default=None, metavar="BYTES",
                    help="local disk budget of a bucket store: packs safely in the bucket "
                         "are evicted above it, least recently read first")
+    add_key_options(p)
+    p.add_argument("--no-encrypt", action="store_true",
+                   help="for a store --bucket creates: authenticate, do not encrypt")
     p.add_argument("--stop", action="store_true", help="stop the running server")
     p.add_argument("--idle-exit", type=float, default=None, metavar="S",
                    help="exit after S seconds without requests")
@@ -68,7 +79,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from strata.engine.tier import prepare  # obstore: only with a bucket
         progress = Progress("replaying the log")
         try:
-            done = prepare(path, args.bucket, takeover=args.takeover, sync=args.sync,
+            done = prepare(path, args.bucket, takeover=args.takeover, key=bucket_key(args),
+                           unauthenticated=args.unauthenticated,
+                           encrypt=not args.no_encrypt, sync=args.sync,
                            cache_size=args.cache_size, progress=progress)
         finally:
             progress.close()

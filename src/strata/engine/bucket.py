@@ -17,12 +17,19 @@ Azure, S3 and obstore's local filesystem all honour it. `check_conditional`
 proves it on the live backend before the tier uses it, because a backend
 or proxy that ignores the header would silently let two owners write.
 
+Everything but hints and probes is sealed with the store's key on the way
+out and verified on the way back (engine/seal.py) when the `Bucket` is given
+one: a store made before bucket format 2 has none, and its bucket is read
+as it always was, unauthenticated.
+
 The layout and record format are in docs/format.md ("The bucket").
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 import urllib.parse
 from collections.abc import Iterator
 from datetime import timedelta
@@ -36,6 +43,7 @@ from obstore.store import from_url
 
 from strata.engine.errors import Corrupt, NotFound, StrataError, Unavailable
 from strata.engine.objects import packb, unpackb
+from strata.engine.seal import HEADER, MAGIC, BucketKey, Header, Unauthentic, sealed_size
 
 # obstore raises its own classes, or Python's for the same conditions.
 _MISSING = (obx.NotFoundError, FileNotFoundError)
@@ -52,6 +60,7 @@ LOG_DIGITS = 20
 RECORD_MAGIC = b"STRL"
 RECORD_VERSION = 1
 HINT = "log-hint"
+HEADERS_KEPT = 4096  # headers of sealed objects kept for ranged reads (36 bytes each)
 
 
 class BucketUnavailable(Unavailable):
@@ -77,10 +86,18 @@ class NoConditionalWrites(StrataError):
 
 
 class Bucket:
-    """One bucket prefix. Names are relative to the prefix, `/`-separated."""
+    """One bucket prefix. Names are relative to the prefix, `/`-separated.
 
-    def __init__(self, url: str) -> None:
+    With a `key`, `put_new` seals and `get` and `get_range` verify (and
+    decrypt): what they return is the content strata wrote, or they raise
+    `Unauthentic` naming the object. `put` (hints only) is never sealed.
+    """
+
+    def __init__(self, url: str, key: BucketKey | None = None) -> None:
         self.url = url
+        self.key = key
+        self._headers: collections.OrderedDict[str, Header] = collections.OrderedDict()
+        self._headers_lock = threading.Lock()
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme == "file":
             root = urllib.parse.unquote(parsed.path)
@@ -94,8 +111,18 @@ class Bucket:
             raise ValueError(f"unsupported bucket URL {url!r}: use s3://, gs://, az:// "
                              "or file://")
 
+    @property
+    def sealed(self) -> bool:
+        return self.key is not None
+
+    def stored_size(self, length: int) -> int:
+        """What `put_new` of `length` bytes of content leaves in the bucket."""
+        return sealed_size(length) if self.key is not None else length
+
     def put_new(self, name: str, data: bytes) -> None:
         """Create `name`; `Exists` if it is already there (If-None-Match: *)."""
+        if self.key is not None:
+            data = self.key.seal(name, data)
         try:
             obstore.put(self._store, name, data, mode="create")
         except _TAKEN:  # some backends answer 412 for If-None-Match, others 409
@@ -111,6 +138,12 @@ class Bucket:
             raise BucketUnavailable(f"bucket write of {name} failed: {exc}") from None
 
     def get(self, name: str) -> bytes:
+        """The whole object (its verified content, with a key)."""
+        data = self.get_stored(name)
+        return self.key.open(name, data) if self.key is not None else data
+
+    def get_stored(self, name: str) -> bytes:
+        """The object's bytes as stored, never verified: hints, and telling formats apart."""
         try:
             return bytes(obstore.get(self._store, name).bytes())
         except _MISSING:
@@ -119,7 +152,39 @@ class Bucket:
             raise BucketUnavailable(f"bucket read of {name} failed: {exc}") from None
 
     def get_range(self, name: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of `name`; short only if the object is."""
+        """Bytes [start, end) of `name`'s content; short only if the object is.
+
+        With a key, the chunks holding them are fetched (one ranged GET, after
+        one for the object's header the first time) and each is verified.
+        """
+        if self.key is None:
+            return self._get_range(name, start, end)
+        header = self._header(name)
+        end = min(end, header.length)
+        if start >= end:
+            return b""
+        first, at, upto = header.span(start, end)
+        data = self._get_range(name, at, upto)
+        if len(data) != upto - at:
+            raise Unauthentic(name, at, "the object is shorter than its header says")
+        content = self.key.open_chunks(name, header, first, data)
+        skip = start - first * header.chunk
+        return content[skip:skip + end - start]
+
+    def _header(self, name: str) -> Header:
+        with self._headers_lock:
+            header = self._headers.get(name)
+            if header is not None:
+                self._headers.move_to_end(name)
+                return header
+        header = Header.parse(name, self._get_range(name, 0, HEADER.size))
+        with self._headers_lock:
+            self._headers[name] = header
+            while len(self._headers) > HEADERS_KEPT:
+                self._headers.popitem(last=False)
+        return header
+
+    def _get_range(self, name: str, start: int, end: int) -> bytes:
         try:
             return bytes(obstore.get_range(self._store, name, start=start, end=end))
         except _MISSING:
@@ -128,6 +193,7 @@ class Bucket:
             raise BucketUnavailable(f"bucket read of {name} failed: {exc}") from None
 
     def size(self, name: str) -> int:
+        """Bytes the object takes in the bucket (see `stored_size`)."""
         try:
             return int(obstore.head(self._store, name)["size"])
         except _MISSING:
@@ -178,6 +244,9 @@ def frame_record(magic: bytes, version: int, body: dict[str, Any]) -> bytes:
 def open_record(name: str, data: bytes, magic: bytes, version: int | tuple[int, ...],
                 what: str) -> dict[str, Any]:
     """The body of a framed record, checked; `Corrupt` naming the object if it is not."""
+    if data[:4] == MAGIC:
+        raise Corrupt(name, 0, f"the {what} is sealed with a bucket key (bucket format 2), "
+                               "and none was given to read it")
     if len(data) < 37 or data[:4] != magic:
         raise Corrupt(name, 0, f"not a strata {what}")
     versions = version if isinstance(version, tuple) else (version,)
@@ -230,7 +299,7 @@ class OwnerLog:
         """The first free record number."""
         lo = 0
         try:
-            lo = max(0, int(self.bucket.get(HINT).decode()))
+            lo = max(0, int(self.bucket.get_stored(HINT).decode()))  # a hint: never sealed
         except (NotFound, ValueError):
             pass
         if not self.bucket.exists(log_name(lo)):
@@ -323,7 +392,10 @@ class OwnerLog:
         except BucketUnavailable:
             if not self.bucket.exists(name):
                 raise
-        return self.bucket.get(name) == data
+        try:
+            return self.bucket.get(name) == data  # the content: sealing is not repeatable
+        except Unauthentic:
+            return False  # not ours, whoever's it is: the caller reads it and says so
 
     def write_hint(self) -> None:
         """Record how far the log reached (restores start their search there)."""

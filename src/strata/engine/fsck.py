@@ -53,8 +53,13 @@ def fsck(packs: PackStore, journal: Journal, refs: Refs, indexer: Indexer,
             break
         name = packfmt.pack_name(number)
         report["packs"] += 1
-        with packs.mapped(number) as data:
-            result = packfmt.scan_buffer(data, name)
+        try:
+            with packs.mapped(number) as data:
+                result = packfmt.scan_buffer(data, name)
+        except Corrupt as exc:  # a bucket's copy that fails its seal: none of it is read
+            report["damaged"].append({"pack": exc.pack or name, "offset": exc.offset,
+                                      "reason": exc.detail})
+            continue
         if number == limit_pack:
             result.records = [r for r in result.records if r.offset < limit_off]
         for rec in result.records:

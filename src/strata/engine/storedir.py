@@ -19,7 +19,8 @@ from strata.engine.errors import Corrupt, InvalidInput, NotFound, Unavailable
 from strata.engine.objects import DEFAULT_BLOCK_SIZE
 
 STORE_MAGIC = "strata-store"
-STORE_VERSION = 1
+STORE_VERSION = 2           # 2: the store's bucket is sealed with a key (bucket format 2)
+STORE_VERSIONS = (1, 2)     # what this strata reads; stores without such a bucket stay 1
 
 
 BUCKET_PACK_SIZE = 4 * 1024 * 1024  # default pack size limit of a store kept in a bucket
@@ -38,8 +39,16 @@ class StoreConfig:
 def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
                pack_size_limit: int | None = None, pack_age_limit: float | None = None,
                bucket: str | None = None, sync: str = "local",
-               store_id: str | None = None, cache_size: int | None = None) -> None:
-    """Create an empty store directory (idempotent on an existing store)."""
+               store_id: str | None = None, cache_size: int | None = None,
+               bucket_key: bytes | None = None, encrypt: bool = True,
+               unauthenticated: bool = False) -> None:
+    """Create an empty store directory (idempotent on an existing store).
+
+    A store with a bucket gets a key (`bucket_key`, else 32 new random bytes)
+    in `bucket.key`, mode 0600, which seals everything it puts in the bucket,
+    encrypted too unless `encrypt` is off. Only a restore of a bucket made
+    before keys passes `unauthenticated`: such a store goes on without one.
+    """
     if not 4096 <= block_size <= 16 * 1024 * 1024:
         raise InvalidInput("block size must be between 4 KiB and 16 MiB")
     os.makedirs(path, mode=0o700, exist_ok=True)
@@ -49,7 +58,7 @@ def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
         return
     os.chmod(path, 0o700)  # the store is its owner's alone: data, tokens, socket
     os.makedirs(os.path.join(path, "packs"), mode=0o700, exist_ok=True)
-    settings: dict[str, Any] = {"version": STORE_VERSION, "id": store_id or os.urandom(16).hex(),
+    settings: dict[str, Any] = {"version": 1, "id": store_id or os.urandom(16).hex(),
                                 "block_size": block_size}
     if bucket is not None and pack_size_limit is None:
         # A restore rebuilds the unsealed pack from the log: smaller packs bound that.
@@ -61,6 +70,13 @@ def init_store(path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
         settings["sync"] = sync
         if cache_size is not None:
             settings["cache_size"] = _check_cache_size(cache_size)
+        if not unauthenticated:
+            from strata.engine.seal import KEY_FILE, new_key, write_key_file
+            key_path = os.path.join(path, KEY_FILE)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(key_path)  # left by an init that died before STRATA was written
+            write_key_file(key_path, bucket_key if bucket_key is not None else new_key())
+            settings.update(version=2, bucket_format=2, encrypt=encrypt)
     elif cache_size is not None:
         raise InvalidInput("a cache size needs a bucket: without one every pack is local")
     if pack_size_limit is not None:
@@ -94,8 +110,8 @@ def set_cache_size(path: str, size: int | None) -> None:
 
 def _write_meta(path: str, settings: dict[str, Any]) -> None:
     body = json.dumps(settings, sort_keys=True)
-    write_durably(os.path.join(path, "STRATA"), f"{STORE_MAGIC} {STORE_VERSION}\n{body}\n"
-                  .encode())
+    version = int(settings.get("version", 1))
+    write_durably(os.path.join(path, "STRATA"), f"{STORE_MAGIC} {version}\n{body}\n".encode())
 
 
 def write_durably(path: str, data: bytes) -> None:
@@ -119,8 +135,9 @@ def read_store_meta(path: str) -> dict[str, Any]:
         raise NotFound(f"no strata store at {path} (run 'strata init')") from exc
     if len(first) != 2 or first[0] != STORE_MAGIC:
         raise Corrupt("STRATA", 0, "not a strata store file")
-    if int(first[1]) != STORE_VERSION:
-        raise InvalidInput(f"store format version {first[1]} is not supported")
+    if not first[1].isdigit() or int(first[1]) not in STORE_VERSIONS:
+        raise InvalidInput(f"store format version {first[1]} is not supported (this strata "
+                           f"reads {', '.join(map(str, STORE_VERSIONS))}): upgrade strata")
     return dict(json.loads(body))
 
 

@@ -24,9 +24,12 @@ so the whole tier is this one implementation wrapped around `LocalPacks`:
   fails its next ship or checkpoint, marks the tier failed, and the journal
   refuses to acknowledge anything more (its datasync raises).
 
-Pack bytes of packs that are only in the bucket are read with ranged GETs in
-aligned windows kept in a bounded memory cache, and every object read from
-them is checked against its id (`verify_reads`). A pack read again and again
+Everything it puts in the bucket is sealed with the store's key (the `Bucket`
+does it, engine/seal.py), and everything read back is verified, chunk by
+chunk. Pack bytes of packs that are only in the bucket are read with ranged
+GETs in aligned windows kept in a bounded memory cache, and every object
+read from them, or from packs a restore rebuilt from the log, is checked
+against its id as well (`verify_reads`). A pack read again and again
 is fetched back whole into the local directory in the background, and a scan
 (`mapped`) fetches it first.
 
@@ -52,11 +55,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from strata.engine import pack as packfmt
-from strata.engine.bucket import Bucket, BucketUnavailable, Exists, Fenced, OwnerLog
+from strata.engine.bucket import Bucket, BucketUnavailable, Exists, Fenced, OwnerLog, log_name
 from strata.engine.checkpoint import Checkpoint, RunReader, encode_run
-from strata.engine.errors import Corrupt, InvalidInput, NotFound, StoreFailed
+from strata.engine.errors import Corrupt, InvalidInput, NotFound, StoreFailed, StrataError
 from strata.engine.index import Index
 from strata.engine.packstore import LocalPacks, PackStore, PackWriter
+from strata.engine.seal import KEY_FILE, BucketKey, read_key_file
+from strata.engine.seal import MAGIC as SEAL_MAGIC
 from strata.engine.storedir import init_store, write_durably
 
 SHIP_INTERVAL = 0.5        # default mode: seconds between segment records
@@ -74,6 +79,7 @@ Progress = Callable[[int, int, int], None]  # records done, records in all, byte
 Chunk = tuple[int, int, bytes | None]  # pack, offset, bytes (None: cut the pack here)
 Loc = tuple[int, int, int, int]
 BUCKET_META = "strata-bucket"
+BUCKET_FORMAT = 2          # 2: every object sealed with the store's key; 1: none was
 TIER_STATE = "tier.json"              # in the store: this owner's epoch and log position
 TIER_CHECKPOINT = "tier-checkpoint"   # in the store: the last checkpoint it wrote or read
 
@@ -92,7 +98,8 @@ class TieredPacks(PackStore):
 
     def __init__(self, local: LocalPacks, bucket: Bucket, log: OwnerLog, *, strict: bool,
                  checkpoint: Checkpoint | None = None, cache_size: int | None = None,
-                 hydrated: str | None = None, clean: bool = False) -> None:
+                 hydrated: str | None = None, clean: bool = False,
+                 from_log: set[int] | None = None) -> None:
         self.local = local
         self.bucket = bucket
         self.log = log
@@ -122,6 +129,9 @@ class TieredPacks(PackStore):
         # close, or a restore, whose packs come from the log): if not, reship at attach.
         self._clean_at_open = clean
         self._clean = False
+        # Packs a restore rebuilt from log segments: their bytes came from the bucket,
+        # so objects read from them are checked against their ids like bucket packs.
+        self._from_log: set[int] = set(from_log or ())
         self._hydrating: Iterator[list[tuple[bytes, Loc]]] | None = None
         if checkpoint is not None and checkpoint.run and checkpoint.run != hydrated:
             run = checkpoint.run
@@ -272,7 +282,7 @@ class TieredPacks(PackStore):
         except FileNotFoundError:
             return  # garbage collection removed it meanwhile: nothing to keep
         self.bucket.put_new(name, body)
-        if self.bucket.size(name) != size:
+        if self.bucket.size(name) != self.bucket.stored_size(size):
             raise BucketUnavailable(f"bucket copy of {name} has the wrong size; "
                                     "uploading it again")
         with self._lock:
@@ -352,7 +362,8 @@ class TieredPacks(PackStore):
             write_durably(os.path.join(self._state_dir, TIER_CHECKPOINT), checkpoint)
         write_durably(os.path.join(self._state_dir, TIER_STATE), json.dumps(
             {"epoch": self.log.epoch, "next": self.log.next,
-             "hydrated": self._hydrated, "clean": self._clean}).encode())
+             "hydrated": self._hydrated, "clean": self._clean,
+             "from_log": sorted(self._from_log)}).encode())
 
     def _hydrate_some(self) -> bool:
         """Copy the next block of the inherited index run into the local index.
@@ -503,8 +514,13 @@ class TieredPacks(PackStore):
             local = sorted(self._local)
         now = time.time()
         last = self.stats["last_checkpoint"]
+        key = self.bucket.key
         return {"bucket": self.bucket.url, "sync": "bucket" if self.strict else "local",
-                "epoch": self.log.epoch, "failed": str(self.failed) if self.failed else None,
+                "bucket_format": BUCKET_FORMAT if key is not None else 1,
+                "authenticated": key is not None,
+                "encrypted": key is not None and key.encrypt,
+                "epoch": self.log.epoch, "log_next": self.log.next,
+                "failed": str(self.failed) if self.failed else None,
                 "local_bytes": sum(self._local_size(n) for n in local),
                 "packs_local": len(local),
                 "packs_in_bucket": len(remote),
@@ -555,8 +571,10 @@ class TieredPacks(PackStore):
             return f"bucket object {self.remote[number][0]}"
 
     def verify_reads(self, number: int) -> bool:
-        # What came from the bucket, now or before (fetched back), is checked against ids.
-        return number in self.remote
+        # What came from the bucket, now or before (fetched back, or rebuilt from the
+        # log by a restore), is checked against ids: the seal proves who wrote the
+        # bytes, the id that they are the object the index names.
+        return number in self.remote or number in self._from_log
 
     def pread(self, number: int, length: int, offset: int) -> bytes:
         with self._using(number) as local:
@@ -763,7 +781,7 @@ def apply_segments(local: LocalPacks, log: OwnerLog, start: int, end: int,
     order, so a cut or a rewrite after a crash wins over what came before.
     """
     files: dict[int, int] = {}
-    report = {"segments": 0, "bytes": 0, "packs": 0}
+    report: dict[str, Any] = {"segments": 0, "bytes": 0, "packs": 0}
     try:
         for seq in range(start, end):
             if progress is not None:
@@ -793,6 +811,8 @@ def apply_segments(local: LocalPacks, log: OwnerLog, start: int, end: int,
         if local.size(n) == 0:  # removed by its owner (garbage collection): not a pack
             local.remove(n)
     report["packs"] = len(files)
+    kept = set(local.numbers())
+    report["rebuilt"] = [n for n in sorted(files) if n in kept]
     return report
 
 
@@ -809,30 +829,76 @@ def iter_log_back(log: OwnerLog, end: int) -> Iterator[tuple[int, dict[str, Any]
 
 
 
+def store_key(store_dir: str, meta: dict[str, Any]) -> BucketKey | None:
+    """The key a store's bucket is sealed with (None: a bucket of format 1, unauthenticated).
+
+    Whether there must be one comes from the store's own settings, never from
+    the bucket: a bucket rewritten to look older is not read without a key.
+    """
+    fmt = int(meta.get("bucket_format", 1))
+    if fmt == 1:
+        return None
+    if fmt != BUCKET_FORMAT:
+        raise InvalidInput(f"the store's bucket format is {fmt}; this strata reads 1 and "
+                           f"{BUCKET_FORMAT}: upgrade strata")
+    path = os.path.join(store_dir, KEY_FILE)
+    try:
+        secret = read_key_file(path)
+    except NotFound:
+        raise NotFound(f"{path} is missing: the store's bucket is sealed with the key kept "
+                       "there (restore the store with --key-file to make it again)") from None
+    return BucketKey(secret, encrypt=meta.get("encrypt") is not False)
+
+
 def bucket_meta(bucket: Bucket, store_id: str, block_size: int) -> None:
     """Bind the bucket to this store (create-only), or check it is bound to it."""
-    body = json.dumps({"format": 1, "store_id": store_id, "block_size": block_size},
-                      sort_keys=True).encode()
+    fields: dict[str, Any] = {"format": 1, "store_id": store_id, "block_size": block_size}
+    if bucket.key is not None:
+        fields.update(format=BUCKET_FORMAT, encrypted=bucket.key.encrypt)
     try:
-        bucket.put_new(BUCKET_META, body)
+        bucket.put_new(BUCKET_META, json.dumps(fields, sort_keys=True).encode())
         return
     except Exists:
         pass
-    theirs = _read_meta(bucket)
+    theirs = read_meta(bucket)
     if theirs["store_id"] != store_id:
         raise InvalidInput(f"the bucket at {bucket.url} holds another store "
                            f"({theirs['store_id']}), not {store_id}")
 
 
-def _read_meta(bucket: Bucket) -> dict[str, Any]:
+def read_meta(bucket: Bucket) -> dict[str, Any]:
+    """The bucket's binding to its store, of the format the reader's key calls for.
+
+    With a key it must be sealed under that key (format 2); without one it
+    must be a format 1 binding, which nothing authenticates.
+    """
+    stored = bucket.get_stored(BUCKET_META)
+    sealed = stored[:4] == SEAL_MAGIC
+    if bucket.key is None and sealed:
+        raise InvalidInput(f"the store in the bucket at {bucket.url} is sealed with a key "
+                           f"(bucket format {BUCKET_FORMAT}): give its key file (--key-file "
+                           "or STRATA_BUCKET_KEY_FILE)")
+    if bucket.key is not None and not sealed:
+        raise InvalidInput(
+            f"{BUCKET_META} in {bucket.url} is not sealed: the bucket holds a store made "
+            "before bucket keys (bucket format 1, unauthenticated), not one of this key. If "
+            "the store was made with a key, someone rewrote the bucket; if not, restore it "
+            "without a key, with --unauthenticated")
+    data = bucket.key.open(BUCKET_META, stored) if bucket.key is not None else stored
     try:
-        meta = json.loads(bucket.get(BUCKET_META))
-        if meta.get("format") != 1:
-            raise InvalidInput(f"{BUCKET_META} in {bucket.url} has format "
-                               f"{meta.get('format')!r}; this strata reads 1")
-        return dict(meta)
+        meta = json.loads(data)
+        fmt = meta.get("format")
     except (ValueError, TypeError, AttributeError) as exc:
         raise Corrupt(BUCKET_META, 0, f"does not decode: {exc}") from None
+    want = BUCKET_FORMAT if bucket.key is not None else 1
+    if fmt != want:
+        if isinstance(fmt, int) and fmt > BUCKET_FORMAT:
+            raise InvalidInput(f"{BUCKET_META} in {bucket.url} has bucket format {fmt}; "
+                               f"this strata reads 1 and {BUCKET_FORMAT}: upgrade strata")
+        raise Corrupt(BUCKET_META, 0, f"format {fmt!r} where {want} belongs")
+    if not isinstance(meta.get("store_id"), str) or not isinstance(meta.get("block_size"), int):
+        raise Corrupt(BUCKET_META, 0, "lacks store_id or block_size")
+    return dict(meta)
 
 
 def newest_checkpoint(bucket: Bucket, log: OwnerLog, end: int) -> Checkpoint | None:
@@ -849,9 +915,10 @@ def open_tier(store_dir: str, meta: dict[str, Any], local: LocalPacks) -> Tiered
 
     Refuses to open a store whose log another owner has written to since this
     store last wrote it: that store was taken over (restore from the bucket
-    instead), and writing on would fork the store's history.
+    instead), and writing on would fork the store's history. Refuses too if
+    the last record this store wrote is gone: the log was rolled back.
     """
-    bucket = Bucket(str(meta["bucket"]))
+    bucket = Bucket(str(meta["bucket"]), store_key(store_dir, meta))
     bucket.check_conditional()
     bucket_meta(bucket, str(meta["id"]), int(meta["block_size"]))
     log = OwnerLog(bucket)
@@ -861,6 +928,7 @@ def open_tier(store_dir: str, meta: dict[str, Any], local: LocalPacks) -> Tiered
         with open(state_path, "rb") as f:
             state = json.loads(f.read())
         if state.get("next") is not None:
+            _check_ours(log, int(state["next"]) - 1, state.get("epoch"))
             for seq, body in log.records(int(state["next"])):
                 if body["epoch"] != state["epoch"]:
                     raise Fenced(f"this store was taken over (epoch {body['epoch']} wrote "
@@ -879,36 +947,69 @@ def open_tier(store_dir: str, meta: dict[str, Any], local: LocalPacks) -> Tiered
     return TieredPacks(local, bucket, log, strict=meta.get("sync") == "bucket", checkpoint=cp,
                        cache_size=int(cache) if cache is not None else None,
                        hydrated=str(hydrated) if hydrated else None,
-                       clean=state.get("clean") is True)
+                       clean=state.get("clean") is True,
+                       from_log={int(n) for n in state.get("from_log") or ()})
 
 
-def restore(url: str, store_dir: str, *, sync: str = "local",
+def _check_ours(log: OwnerLog, seq: int, epoch: Any) -> None:
+    """The last record this store wrote is still there, and still its own.
+
+    Records are never deleted by strata, so a missing one means the bucket's
+    newest records were deleted: a rollback, which only state kept outside
+    the bucket (here, tier.json) can show.
+    """
+    if seq < 0:
+        return
+    try:
+        body = log.read(seq)
+    except NotFound:
+        raise Corrupt(log_name(seq), 0, "this store wrote this log record and it is gone "
+                                        "from the bucket: the log was rolled back (its "
+                                        "newest records deleted)") from None
+    if body["epoch"] != epoch:
+        raise Corrupt(log_name(seq), 0, f"this store (epoch {epoch}) wrote this log record, "
+                                        f"and the bucket holds one of epoch {body['epoch']}")
+
+
+def restore(url: str, store_dir: str, *, key: bytes | None = None,
+            unauthenticated: bool = False, sync: str = "local",
             cache_size: int | None = None, progress: Progress | None = None
             ) -> dict[str, Any]:
     """Make `store_dir` a copy of the store in the bucket, downloading no packs.
 
-    Claims the log first, so the old owner is fenced before the tail is read.
-    Then: the newest checkpoint (its tables; the object index stays in the
-    bucket and is read a block at a time), and the log's segments from the
-    checkpoint's `log_from`, rebuilding the packs that were not uploaded.
-    Opening the store replays what lies past the checkpoint.
+    `key` is the store's bucket key; a bucket of format 1 (made before keys)
+    is read without one only with `unauthenticated`, since nothing in it can
+    be told from a forgery. Claims the log first, so the old owner is fenced
+    before the tail is read. Then: the newest checkpoint (its tables; the
+    object index stays in the bucket and is read a block at a time), and the
+    log's segments from the checkpoint's `log_from`, rebuilding the packs that
+    were not uploaded. Opening the store replays what lies past the checkpoint.
     """
     if os.path.exists(os.path.join(store_dir, "STRATA")):
         raise InvalidInput(f"{store_dir} is already a store")
     t0 = time.monotonic()
-    bucket = Bucket(url)
+    bucket = Bucket(url, BucketKey(key) if key is not None else None)
     bucket.check_conditional()
     try:
-        meta = _read_meta(bucket)
+        meta = read_meta(bucket)
     except NotFound:
         raise NotFound(f"no strata store in the bucket at {url}") from None
+    if bucket.key is None and not unauthenticated:
+        raise InvalidInput(
+            f"the bucket at {url} holds an unauthenticated store (bucket format 1, made "
+            "before bucket keys): anyone who can write to the bucket could have changed "
+            "it unseen. Restore it anyway with --unauthenticated")
+    if bucket.key is not None:
+        bucket.key.encrypt = meta.get("encrypted") is not False  # write as it was written
     log = OwnerLog(bucket)
     epoch = log.claim(socket.gethostname())
     cp = newest_checkpoint(bucket, log, epoch)
     if cp is not None and cp.store_id.hex() != meta["store_id"]:
         raise Corrupt(BUCKET_META, 0, "the checkpoint belongs to another store")
     init_store(store_dir, block_size=int(meta["block_size"]), store_id=str(meta["store_id"]),
-               bucket=url, sync=sync, cache_size=cache_size)
+               bucket=url, sync=sync, cache_size=cache_size, bucket_key=key,
+               encrypt=bucket.key.encrypt if bucket.key is not None else False,
+               unauthenticated=bucket.key is None)
     local = LocalPacks(os.path.join(store_dir, "packs"))
     try:
         report = apply_segments(local, log, cp.log_from if cp else 0, epoch,
@@ -928,21 +1029,26 @@ def restore(url: str, store_dir: str, *, sync: str = "local",
     from strata.engine.gc import inherit_unknown_pins
     inherit_unknown_pins(store_dir)
     # Clean: the packs rebuilt here are what the log holds, so nothing needs shipping.
-    write_durably(os.path.join(store_dir, TIER_STATE),
-                json.dumps({"epoch": epoch, "next": epoch + 1, "clean": True}).encode())
+    rebuilt = report.pop("rebuilt")
+    write_durably(os.path.join(store_dir, TIER_STATE), json.dumps(
+        {"epoch": epoch, "next": epoch + 1, "clean": True, "from_log": rebuilt}).encode())
     report.update(epoch=epoch, checkpoint=bool(cp), seconds=time.monotonic() - t0,
-                  packs_in_bucket=len(cp.packs) if cp else 0)
+                  packs_in_bucket=len(cp.packs) if cp else 0,
+                  authenticated=bucket.key is not None,
+                  encrypted=bucket.key is not None and bucket.key.encrypt)
     return report
 
 
-def prepare(store_dir: str, url: str, *, takeover: bool, sync: str = "local",
+def prepare(store_dir: str, url: str, *, takeover: bool, key: bytes | None = None,
+            unauthenticated: bool = False, encrypt: bool = True, sync: str = "local",
             cache_size: int | None = None, progress: Progress | None = None) -> str:
     """Make `store_dir` ready to serve the store kept at `url` (`strata serve --bucket`).
 
     An existing store must be kept in that bucket. Otherwise an empty bucket
-    gets a new store, and a bucket that already holds one is restored here only
-    with `takeover`, since restoring fences the owner serving it now.
-    Returns what was done: "opened", "created" or "restored".
+    gets a new store (sealed with `key`, or a new key), and a bucket that
+    already holds one is restored here only with `takeover`, since restoring
+    fences the owner serving it now. Returns what was done: "opened",
+    "created" or "restored".
     """
     if os.path.exists(os.path.join(store_dir, "STRATA")):
         from strata.engine.storedir import read_store_meta
@@ -950,18 +1056,23 @@ def prepare(store_dir: str, url: str, *, takeover: bool, sync: str = "local",
         if have != url:
             raise InvalidInput(f"{store_dir} is kept in {have or 'no bucket'}, not {url}")
         return "opened"
-    bucket = Bucket(url)
+    bucket = Bucket(url, BucketKey(key) if key is not None else None)
     bucket.check_conditional()
     if not bucket.exists(BUCKET_META):
-        init_store(store_dir, bucket=url, sync=sync, cache_size=cache_size)
+        init_store(store_dir, bucket=url, sync=sync, cache_size=cache_size, bucket_key=key,
+                   encrypt=encrypt)
         return "created"
     if not takeover:
-        log = OwnerLog(bucket)
-        end = log.find_end()
-        owner = log.read(end - 1)["epoch"] if end else None
-        claim = log.read(owner) if owner is not None else {}
+        owner: Any = "?"
+        host: Any = "?"
+        with contextlib.suppress(StrataError):  # without the key, or damaged: who is unsaid
+            log = OwnerLog(bucket)
+            end = log.find_end()
+            owner = log.read(end - 1)["epoch"] if end else None
+            host = (log.read(owner).get("host") if owner is not None else None) or "?"
         raise InvalidInput(f"the bucket at {url} already holds a store (owner epoch {owner}, "
-                           f"host {claim.get('host') or '?'}); pass --takeover to fence "
-                           "that owner and serve the store here")
-    restore(url, store_dir, sync=sync, cache_size=cache_size, progress=progress)
+                           f"host {host}); pass --takeover to fence that owner and serve the "
+                           "store here")
+    restore(url, store_dir, key=key, unauthenticated=unauthenticated, sync=sync,
+            cache_size=cache_size, progress=progress)
     return "restored"

@@ -26,6 +26,7 @@ from bench.report import row
 from strata.engine import tier as tiermod
 from strata.engine.bucket import Bucket
 from strata.engine.local import LocalStore, init_store
+from strata.engine.seal import BucketKey
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
 
@@ -206,6 +207,74 @@ def bench_cold_read(root: str, url: str, n: int) -> float:
     return _pct(lat, 0.5)
 
 
+SEAL_MODES = (("unsealed", {"unauthenticated": True}),  # bucket format 1, as before keys
+              ("sealed", {"encrypt": False}),             # keyed BLAKE3 tags only
+              ("encrypted", {}))                          # the default: ChaCha20-Poly1305
+
+
+def bench_seal_cost(root: str, url: str, quick: bool) -> dict[str, tuple[float, float]]:
+    """Upload and cold-read throughput (bytes/s) of one store per sealing mode.
+
+    The same work in each: 1 MiB files of random bytes in 1 MiB packs; the
+    sealed packs uploaded again by the tier's own code under fresh names
+    (as bench_default does); then every pack evicted and every file read
+    back cold (no window cached, no fetch-back), through ranged GETs.
+    """
+    files = 12 if quick else 40
+    out: dict[str, tuple[float, float]] = {}
+    fetch_back, tiermod.FETCH_BACK_AFTER = tiermod.FETCH_BACK_AFTER, 1 << 30
+    try:
+        for mode, opts in SEAL_MODES:
+            path = os.path.join(root, f"seal-{mode}")
+            init_store(path, bucket=f"{url}/seal-{mode}", pack_size_limit=MIB,
+                       **opts)
+            rng = random.Random(7)
+            with LocalStore(path) as s:
+                s.create_volume("v")
+                for i in range(files):
+                    t = Transaction(s, "v")
+                    t.write(f"f{i}", rng.randbytes(MIB))
+                    t.commit()
+                tier = s._tier
+                assert tier is not None
+                tier.flush()
+                sealed = [n for n in tier.local.numbers() if tier._sealed(n)]
+                tier.log.epoch = (tier.log.epoch or 0) + 10**9  # new names, same bytes
+                t0 = time.perf_counter()
+                done = 0
+                for n in sealed:
+                    tier._upload(n)
+                    done += tier.local.size(n)
+                up = done / (time.perf_counter() - t0)
+                tier.flush()
+                assert tier.evict(0)
+                t = Transaction(s, "v")
+                t0 = time.perf_counter()
+                for i in range(files):
+                    tier._windows.clear()
+                    t.read(f"f{i}")
+                cold = files * MIB / (time.perf_counter() - t0)
+                out[mode] = (up, cold)
+            shutil.rmtree(path)
+    finally:
+        tiermod.FETCH_BACK_AFTER = fetch_back
+    return out
+
+
+def seal_cpu_rate(encrypt: bool) -> tuple[float, float]:
+    """Seal and open rates (bytes/s) of a 4 MiB object in memory: the cost without a network."""
+    key = BucketKey(os.urandom(32), encrypt=encrypt)
+    data = os.urandom(4 * MIB)
+    t0 = time.perf_counter()
+    for _ in range(8):
+        sealed = key.seal("packs/x", data)
+    seal = 8 * len(data) / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(8):
+        key.open("packs/x", sealed)
+    return seal, 8 * len(data) / (time.perf_counter() - t0)
+
+
 def bench_takeover(root: str, url: str) -> float:
     """The old owner dies; seconds until the new host has served its first publish."""
     a = os.path.join(root, "owner-a")
@@ -265,6 +334,21 @@ def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
         rows.append(row("bucket: cold 128 KiB read of an evicted block p50", cold * 1e3, "ms",
                         get50 * 1e3, "raw ranged GET p50", "<= 2x raw",
                         met=cold <= 2 * get50))
+        cost = bench_seal_cost(work, url, quick)
+        base_up, base_cold = cost["unsealed"]
+        for mode in ("sealed", "encrypted"):
+            up, cold = cost[mode]
+            rows.append(row(f"bucket: pack upload throughput, {mode}", up / MIB, "MB/s",
+                            base_up / MIB, "unsealed (format 1), same run", ">= 80%",
+                            lower_is_better=False, met=up >= 0.8 * base_up))
+            rows.append(row(f"bucket: cold read throughput, 1 MiB files, {mode}", cold / MIB,
+                            "MB/s", base_cold / MIB, "unsealed (format 1), same run", ">= 80%",
+                            lower_is_better=False, met=cold >= 0.8 * base_cold))
+        for encrypt in (False, True):
+            seal, opened = seal_cpu_rate(encrypt)
+            what = "ChaCha20-Poly1305" if encrypt else "keyed BLAKE3"
+            rows.append(row(f"bucket: seal / open in memory, {what}", seal / MIB, "MB/s",
+                            opened / MIB, "open", "", lower_is_better=False))
         files = 20_000 if quick else 100_000
         small, small_objs = bench_restore(work, url, files, 0, "small")
         rows.append(row(f"bucket: restore to first ls, {files // 1000}k-file volume",

@@ -28,6 +28,7 @@ The layout and record format are in docs/format.md ("The bucket").
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import threading
 import urllib.parse
@@ -43,7 +44,15 @@ from obstore.store import from_url
 
 from strata.engine.errors import Corrupt, NotFound, StrataError, Unavailable
 from strata.engine.objects import packb, unpackb
-from strata.engine.seal import HEADER, MAGIC, BucketKey, Header, Unauthentic, sealed_size
+from strata.engine.seal import (
+    CHUNK,
+    HEADER,
+    MAGIC,
+    BucketKey,
+    Header,
+    Unauthentic,
+    sealed_size,
+)
 
 # obstore raises its own classes, or Python's for the same conditions.
 _MISSING = (obx.NotFoundError, FileNotFoundError)
@@ -98,6 +107,7 @@ class Bucket:
         self.key = key
         self._headers: collections.OrderedDict[str, Header] = collections.OrderedDict()
         self._headers_lock = threading.Lock()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme == "file":
             root = urllib.parse.unquote(parsed.path)
@@ -159,17 +169,50 @@ class Bucket:
         """
         if self.key is None:
             return self._get_range(name, start, end)
-        header = self._header(name)
+        with self._headers_lock:
+            header = self._headers.get(name)
+        data = None
+        if header is None and end > start:
+            # First touch of this object: fetch its header and, at once, the chunks
+            # as they lie if its chunk size is the one strata writes (a round trip
+            # saved per object: a cold read of a pack costs one GET, not two).
+            guess = Header(b"", 0, CHUNK, 1 << 62, b"")  # whole chunks; a GET stops at the end
+            first, at, upto = guess.span(start, end)
+            if first == 0:  # the header is in front of the chunks: one GET for both
+                data = self._get_range(name, 0, upto)
+                header = self._keep_header(name, Header.parse(name, data))
+                data = data[at:]
+            else:
+                pending = self._pool().submit(self._header, name)
+                try:
+                    data = self._get_range(name, at, upto)
+                except BaseException:
+                    concurrent.futures.wait([pending])  # its answer, if any, is not needed
+                    raise
+                header = pending.result()
+            if header.chunk != CHUNK:
+                data = None
+        elif header is None:
+            header = self._header(name)
         end = min(end, header.length)
         if start >= end:
             return b""
         first, at, upto = header.span(start, end)
-        data = self._get_range(name, at, upto)
+        if data is None:
+            data = self._get_range(name, at, upto)
+        data = data[:upto - at]
         if len(data) != upto - at:
             raise Unauthentic(name, at, "the object is shorter than its header says")
         content = self.key.open_chunks(name, header, first, data)
         skip = start - first * header.chunk
         return content[skip:skip + end - start]
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._headers_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    4, thread_name_prefix="strata-bucket-head")
+            return self._executor
 
     def _header(self, name: str) -> Header:
         with self._headers_lock:
@@ -177,7 +220,9 @@ class Bucket:
             if header is not None:
                 self._headers.move_to_end(name)
                 return header
-        header = Header.parse(name, self._get_range(name, 0, HEADER.size))
+        return self._keep_header(name, Header.parse(name, self._get_range(name, 0, HEADER.size)))
+
+    def _keep_header(self, name: str, header: Header) -> Header:
         with self._headers_lock:
             self._headers[name] = header
             while len(self._headers) > HEADERS_KEPT:

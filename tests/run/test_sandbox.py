@@ -120,3 +120,22 @@ def test_a_fork_bomb_hits_the_step_limit_and_the_host_goes_on(senv: StepEnv) -> 
     assert r.rc != 0 and "Cannot fork" in r.stderr, r.stderr  # dash gives up: the step fails
     assert "n" not in senv.ls("v")  # and publishes nothing
     assert subprocess.run(["true"]).returncode == 0
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["service", "in-process"])
+@pytest.mark.parametrize("sandbox", ["none", *SANDBOXES])
+def test_a_step_writes_where_the_callers_files_stand(senv: StepEnv, sandbox: str,
+                                                     in_process: bool) -> None:
+    """gVisor wrote a redirected stdout from offset 0, over what the caller wrote first."""
+    import shlex
+    from run_harness import STRATA
+    run = shlex.join([*STRATA, "run", "-v", "v", "--sandbox", sandbox, "--",
+                      "sh", "-c", "echo STEP-OUT; echo STEP-ERR >&2"])
+    out, err = senv.root / "out", senv.root / "err"
+    script = (f"{{ echo before-1; echo before-2; echo before-e >&2; {run}; echo after; "
+              f"echo after-e >&2; }} > {shlex.quote(str(out))} 2> {shlex.quote(str(err))}")
+    env = {**senv.env, **({"STRATA_RUN_IN_PROCESS": "1"} if in_process else {})}
+    p = subprocess.run(["sh", "-c", script], env=env, timeout=120)
+    assert p.returncode == 0
+    assert out.read_text() == "before-1\nbefore-2\nSTEP-OUT\nafter\n"
+    assert err.read_text() == "before-e\nSTEP-ERR\nafter-e\n"

@@ -27,6 +27,7 @@ import resource
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -66,6 +67,9 @@ class Launch:
     # the ptrace platform, a stub process per address space of the step.
     pids_scale: int = 1
     pids_slack: int = 0
+    # gVisor writes a host file it is handed at offsets of its own, from 0: a caller's
+    # `> log` would be overwritten from the top. Such stdout/stderr go through a pipe.
+    pipe_files: bool = False
 
 
 @dataclass
@@ -271,7 +275,7 @@ def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
         config = _oci_config(argv, env, storage, network=network, memory=memory, root=root,
                              pids=pids)
         return Launch(_runsc(config, workdir, run_id, network=network), env, pids_scale=2,
-                      pids_slack=512)
+                      pids_slack=512, pipe_files=True)
     raise InvalidInput(f"unknown sandbox {sandbox!r} (use {', '.join(SANDBOXES)})")
 
 
@@ -405,6 +409,7 @@ def run_command(launch: Launch, *, cwd: str, timeout: float | None, memory: int 
         limits.append((resource.RLIMIT_NPROC, pids))
     gate = cg.gate() if cg is not None else []
     wrapper = [] if launch.dies_with_parent else pdeathsig_wrapper()
+    pumps = _Pumps(launch.pipe_files)
     try:
         if wrapper is not None and not limits:
             # No Python between fork and exec: the interpreter can vfork, which from a
@@ -412,7 +417,8 @@ def run_command(launch: Launch, *, cwd: str, timeout: float | None, memory: int 
             _check_executable(launch.cmd[0], launch.env, cwd)
             cmd = [*gate, *wrapper, *(["--"] if wrapper else []), *launch.cmd]
             proc = subprocess.Popen(cmd, env=launch.env, cwd=cwd, process_group=0,
-                                    pass_fds=launch.pass_fds)
+                                    pass_fds=launch.pass_fds, stdout=pumps.out(1),
+                                    stderr=pumps.out(2))
         else:
             prctl = _prctl() if not launch.dies_with_parent else None
 
@@ -424,11 +430,14 @@ def run_command(launch: Launch, *, cwd: str, timeout: float | None, memory: int 
                     resource.setrlimit(which, (value, value))
 
             proc = subprocess.Popen([*gate, *launch.cmd], env=launch.env, cwd=cwd,
-                                    preexec_fn=preexec, pass_fds=launch.pass_fds)
+                                    preexec_fn=preexec, pass_fds=launch.pass_fds,
+                                    stdout=pumps.out(1), stderr=pumps.out(2))
     except BaseException:
+        pumps.close()
         if cg is not None:
             cg.remove()
         raise
+    pumps.start()
     timed_out = False
     try:
         if on_start is not None:
@@ -449,12 +458,65 @@ def run_command(launch: Launch, *, cwd: str, timeout: float | None, memory: int 
         proc.wait()
         raise
     finally:
+        pumps.finish()
         oom = cg.oom_killed() if cg is not None else False
         if cg is not None:
             cg.remove()
     rc = proc.returncode
     status = 128 - rc if rc < 0 else rc
     return Outcome(status, timed_out, oom)
+
+
+class _Pumps:
+    """Pipes in place of a regular-file stdout/stderr, copied to it where it stands.
+
+    `write(2)` on the caller's descriptor appends at the file's current
+    offset, shared with the caller, as the command would have written had it
+    run on this kernel.
+    """
+
+    def __init__(self, wanted: bool) -> None:
+        self.pipes: dict[int, tuple[int, int]] = {}  # our fd -> (read end, write end)
+        self.threads: list[threading.Thread] = []
+        if not wanted:
+            return
+        for fd in (1, 2):
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    self.pipes[fd] = os.pipe()
+
+    def out(self, fd: int) -> int | None:
+        """What the command gets as `fd`: a pipe's write end, or None (ours, inherited)."""
+        return self.pipes[fd][1] if fd in self.pipes else None
+
+    def start(self) -> None:
+        for fd, (r, w) in self.pipes.items():
+            os.close(w)  # the command holds it now: EOF when its last process is gone
+            t = threading.Thread(target=_copy, args=(r, fd), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def finish(self) -> None:
+        for t in self.threads:
+            t.join(timeout=10)
+
+    def close(self) -> None:
+        for r, w in self.pipes.values():
+            for end in (r, w):
+                with contextlib.suppress(OSError):
+                    os.close(end)
+
+
+def _copy(src: int, dst: int) -> None:
+    try:
+        while data := os.read(src, 65536):
+            view = memoryview(data)
+            while view:
+                view = view[os.write(dst, view):]
+    except OSError:
+        pass  # the caller's file went away: the command's output goes with it
+    finally:
+        os.close(src)
 
 
 _WRAPPER: list[list[str] | None] = []

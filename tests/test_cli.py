@@ -196,7 +196,7 @@ def test_exit_codes_and_one_line_errors(cli: Cli) -> None:
     _one_line_error(cli.run("--store", str(cli.store) + "-none", "ls", "v", rc=4))
     cli.run("no-such-command", rc=2)
     cli.run("ls", rc=2)
-    assert "no volume given" in _one_line_error(cli.run("run", "--", "true", rc=2))
+    assert "no volume given" in _one_line_error(cli.run("run", "--", "true", rc=125))
     p = cli.run("--debug", "cat", "v", "nofile", rc=4)
     assert "Traceback" in p.stderr and "strata: error: " in p.stderr
 

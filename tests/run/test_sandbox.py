@@ -139,3 +139,19 @@ def test_a_step_writes_where_the_callers_files_stand(senv: StepEnv, sandbox: str
     assert p.returncode == 0
     assert out.read_text() == "before-1\nbefore-2\nSTEP-OUT\nafter\n"
     assert err.read_text() == "before-e\nSTEP-ERR\nafter-e\n"
+
+
+@pytest.mark.parametrize("sandbox", ["none", *SANDBOXES])
+def test_commands_that_cannot_run_exit_as_in_a_shell(senv: StepEnv, sandbox: str) -> None:
+    senv.run("put", "v", "notexec", "-m", "a file without x", input="#!/bin/sh\necho no\n")
+    before = senv.head("v")
+    r = senv.step(["v"], ["no-such-command-here"], sandbox)
+    assert r.rc == 127, r
+    r = senv.step(["v"], ["v/notexec"], sandbox)
+    assert r.rc == 126, r
+    assert senv.head("v") == before
+
+
+def test_a_step_strata_could_not_run_exits_125(senv: StepEnv) -> None:
+    r = senv.step(["nosuchvolume"], ["true"], "bwrap")
+    assert r.rc == 125 and "nosuchvolume" in r.stderr, r

@@ -105,7 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StrataError as exc:
         _trace(debug)
         print(f"strata: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        # `strata run` answers with the command's own status: its own failures take
+        # a code of their own (STEP_FAILED), which a caller can tell apart and retry.
+        return int(getattr(args, "own_failure", 0) or exc.exit_code)
     except BrokenPipeError:
         # The reader went away (`strata cat ... | head`): not an error of ours.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -118,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _trace(debug)
         where = f": {exc.filename}" if exc.filename else ""
         print(f"strata: error: {exc.strerror or exc}{where}", file=sys.stderr)
-        return 1
+        return int(getattr(args, "own_failure", 0) or 1)
 
 
 def _trace(debug: bool) -> None:

@@ -19,6 +19,9 @@ from strata.cli.common import (
 from strata.engine.errors import InvalidInput
 
 DEFAULT_PIDS = 4096  # run/sandbox.py's DEFAULT_PIDS (not imported: the CLI starts light)
+# Exit status of a step that strata itself could not run (the command's own statuses
+# pass through; 3 is a conflict; 124 the timeout): as `docker run` answers 125.
+STEP_FAILED = 125
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -61,7 +64,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                         "for idempotent jobs: for a read-modify-write it loses an update)")
     p.add_argument("--json", action="store_true")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARG...]")
-    p.set_defaults(func=cmd_run, exit_at_once=True)
+    p.set_defaults(func=cmd_run, exit_at_once=True, own_failure=STEP_FAILED)
 
 
 def _run_root(args: argparse.Namespace, argv: list[str]) -> int:

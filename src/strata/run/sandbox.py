@@ -265,6 +265,7 @@ def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
             raise InvalidInput(f"a root filesystem needs a sandbox (bwrap or gvisor), "
                                f"not {sandbox!r}")
         return Launch(argv, env)
+    argv = _as_shell_would(argv, root)
     if sandbox == "bwrap":
         _need("bwrap", "bubblewrap (bwrap)")
         if jail is None or jail.userns is None:
@@ -277,6 +278,18 @@ def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
         return Launch(_runsc(config, workdir, run_id, network=network), env, pids_scale=2,
                       pids_slack=512, pipe_files=True)
     raise InvalidInput(f"unknown sandbox {sandbox!r} (use {', '.join(SANDBOXES)})")
+
+
+def _as_shell_would(argv: list[str], root: str | None) -> list[str]:
+    """`argv` run by the sandbox's own sh, when its root has one.
+
+    Then a command that is not there exits 127 and one that cannot run 126,
+    as shells answer (bwrap and runsc would exit 1 with words of their own).
+    """
+    sh = os.path.join(root or "/", "bin/sh")
+    if os.path.lexists(sh):
+        return ["/bin/sh", "-c", 'exec "$@"', "sh", *argv]
+    return argv
 
 
 def _need(tool: str, name: str) -> None:
@@ -414,7 +427,14 @@ def run_command(launch: Launch, *, cwd: str, timeout: float | None, memory: int 
         if wrapper is not None and not limits:
             # No Python between fork and exec: the interpreter can vfork, which from a
             # process the size of the step service's workers costs 1 ms, not 15.
-            _check_executable(launch.cmd[0], launch.env, cwd)
+            missing = _check_executable(launch.cmd[0], launch.env, cwd)
+            if missing is not None:  # what a shell would say, and its status
+                os.write(2, f"strata run: {launch.cmd[0]}: {missing[1]}\n".encode(
+                    errors="surrogateescape"))
+                pumps.close()
+                if cg is not None:
+                    cg.remove()
+                return Outcome(missing[0])
             cmd = [*gate, *wrapper, *(["--"] if wrapper else []), *launch.cmd]
             proc = subprocess.Popen(cmd, env=launch.env, cwd=cwd, process_group=0,
                                     pass_fds=launch.pass_fds, stdout=pumps.out(1),
@@ -429,9 +449,18 @@ def run_command(launch: Launch, *, cwd: str, timeout: float | None, memory: int 
                 for which, value in limits:
                     resource.setrlimit(which, (value, value))
 
-            proc = subprocess.Popen([*gate, *launch.cmd], env=launch.env, cwd=cwd,
-                                    preexec_fn=preexec, pass_fds=launch.pass_fds,
-                                    stdout=pumps.out(1), stderr=pumps.out(2))
+            try:
+                proc = subprocess.Popen([*gate, *launch.cmd], env=launch.env, cwd=cwd,
+                                        preexec_fn=preexec, pass_fds=launch.pass_fds,
+                                        stdout=pumps.out(1), stderr=pumps.out(2))
+            except (FileNotFoundError, PermissionError) as exc:
+                status = 127 if isinstance(exc, FileNotFoundError) else 126
+                os.write(2, f"strata run: {launch.cmd[0]}: {exc.strerror}\n".encode(
+                    errors="surrogateescape"))
+                pumps.close()
+                if cg is not None:
+                    cg.remove()
+                return Outcome(status)
     except BaseException:
         pumps.close()
         if cg is not None:
@@ -541,14 +570,19 @@ def pdeathsig_wrapper() -> list[str] | None:
     return _WRAPPER[0]
 
 
-def _check_executable(name: str, env: dict[str, str], cwd: str) -> None:
-    """Fail as Popen would for a command that cannot run (the wrapper would exit 127)."""
+def _check_executable(name: str, env: dict[str, str], cwd: str) -> tuple[int, str] | None:
+    """None if `name` can run; else the status and words a shell gives (127, 126)."""
     if "/" in name:
-        found = os.path.join(cwd, name) if os.access(os.path.join(cwd, name), os.X_OK) else None
-    else:
-        found = shutil.which(name, path=env.get("PATH", os.defpath))
+        path = os.path.join(cwd, name)
+        if not os.path.lexists(path):
+            return 127, "No such file or directory"
+        if os.path.isdir(path) or not os.access(path, os.X_OK):
+            return 126, "Permission denied"
+        return None
+    found = shutil.which(name, path=env.get("PATH", os.defpath))
     if found is None or os.path.isdir(found):
-        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
+        return 127, "command not found"
+    return None
 
 
 def _prctl() -> Callable[..., int] | None:

@@ -565,6 +565,9 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
         code = exc.exit_code if isinstance(exc, StrataError) else 1
         if not isinstance(exc, StrataError):
             traceback.print_exc()
+        else:  # the service log keeps every step strata itself failed, and why
+            print(f"step {step['argv'][:1]} on {[s.volume for s in step['specs']]} failed: "
+                  f"{exc}", file=sys.stderr, flush=True)
         _send(conn, {"event": "error", "code": code, "message": str(exc) or type(exc).__name__})
         return 1
     finally:

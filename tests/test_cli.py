@@ -437,3 +437,35 @@ def test_policy_tag_and_gc(cli: Cli, tmp_path: Path) -> None:
     stats = cli.json("stats")
     assert stats["gc"]["snapshots_expired"] == 0  # the last pass found nothing more
     assert cli.json("fsck")["ok"]
+
+
+def test_the_default_branch_is_deleted_only_with_force(cli: Cli) -> None:
+    """A new user deleted proj@live (exit 0, no output); then `strata ls proj` failed."""
+    cli.run("volume", "create", "proj")
+    p = cli.run("branch", "delete", "proj@live", rc=2)
+    assert "--force" in p.stderr
+    assert cli.run("ls", "proj").returncode == 0
+    cli.run("branch", "delete", "proj@live", "--force")
+    cli.run("ls", "proj", rc=4)
+
+
+def test_volume_delete_asks_on_a_terminal(cli: Cli) -> None:
+    cli.run("volume", "create", "keep")
+    cli.run("volume", "create", "gone")
+
+    def on_a_terminal(*args: str, answer: bytes) -> int:
+        leader, follower = os.openpty()
+        try:
+            p = subprocess.Popen([*STRATA, "--store", str(cli.store), *args], stdin=follower,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            os.write(leader, answer)
+            p.communicate(timeout=60)
+            return p.returncode
+        finally:
+            os.close(leader)
+            os.close(follower)
+
+    assert on_a_terminal("volume", "delete", "keep", answer=b"n\n") == 1
+    assert on_a_terminal("volume", "delete", "gone", answer=b"y\n") == 0
+    assert cli.out("volume", "list").split() == ["keep"]
+    cli.run("volume", "delete", "keep", "--yes")  # and no terminal: no question

@@ -126,8 +126,9 @@ def test_a_fork_bomb_hits_the_step_limit_and_the_host_goes_on(senv: StepEnv) -> 
 @pytest.mark.parametrize("sandbox", ["none", *SANDBOXES])
 def test_a_step_writes_where_the_callers_files_stand(senv: StepEnv, sandbox: str,
                                                      in_process: bool) -> None:
-    """gVisor wrote a redirected stdout from offset 0, over what the caller wrote first."""
+    """A redirected stdout under gVisor was written from offset 0, over the caller's lines."""
     import shlex
+
     from run_harness import STRATA
     run = shlex.join([*STRATA, "run", "-v", "v", "--sandbox", sandbox, "--",
                       "sh", "-c", "echo STEP-OUT; echo STEP-ERR >&2"])

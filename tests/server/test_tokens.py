@@ -161,7 +161,8 @@ def test_read_only_token_reads_but_never_writes(env: Env) -> None:
     head = before["a"]["live"]
     assert env.as_token(tok, "cat", f"a#{head[:12]}", "f.txt")[:2] == (0, "alpha\n")
     for args, stdin in ((("put", "a", "new.txt"), b"no"), (("rm", "a", "f.txt"), None),
-                        (("fork", "a", "exp"), None), (("branch", "delete", "a@live"), None)):
+                        (("fork", "a", "exp"), None),
+                        (("branch", "delete", "a@live", "--force"), None)):
         rc, _out, err = env.as_token(tok, *args, input=stdin)
         assert rc == 1 and "read-only" in err, (args, rc, err)
     with tcp_store(env, tok) as remote:

@@ -20,7 +20,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_list)
 
     p = bsub.add_parser("delete", parents=[common], help="delete a branch")
-    p.add_argument("ref", metavar="VOLUME@BRANCH")
+    p.add_argument("ref", metavar="VOLUME@BRANCH", help="the branch to delete")
+    p.add_argument("--force", action="store_true",
+                   help="also the volume's default branch, 'live', which every REF "
+                        "without @BRANCH names")
     p.set_defaults(func=cmd_delete)
 
     p = sub.add_parser("fork", parents=[common],
@@ -47,8 +50,13 @@ def cmd_delete(args: argparse.Namespace) -> int:
     if "@" not in args.ref:
         raise InvalidInput(f"name the branch to delete as VOLUME@BRANCH, not {args.ref!r}")
     ref = parse_ref(args.ref)
+    branch = ref.need_branch()
+    if branch == "live" and not args.force:
+        raise InvalidInput(f"'live' is {ref.volume}'s default branch: `strata ls "
+                           f"{ref.volume}` and every REF without @BRANCH read it; delete it "
+                           "with --force")
     with open_store(args) as store:
-        store.delete_branch(ref.volume, ref.need_branch())
+        store.delete_branch(ref.volume, branch)
     return 0
 
 

@@ -180,10 +180,18 @@ def cmd_commit(args: argparse.Namespace) -> int:
     from strata.memtrim import return_large_buffers_to_the_os
     from strata.mount.session import commit
     return_large_buffers_to_the_os()  # upload batches of big files are freed for real
+    from strata.engine.errors import Conflict
     state = _state(args)
     with _store_for(args, state) as store:
-        result = commit(store, state, message=args.message, names=args.volumes,
-                        identical=args.merge_identical)
+        try:
+            result = commit(store, state, message=args.message, names=args.volumes,
+                            identical=args.merge_identical)
+        except Conflict as exc:
+            if not args.json:
+                raise
+            # A script asked for JSON: the conflict is an answer, on stdout, exit 3.
+            print_json({"published": {}, "conflicts": exc.paths, "changed": 0})
+            return exc.exit_code
     if args.json:
         print_json({"published": result.published, "changed": result.changed_paths,
                     "uploaded_bytes": result.uploaded_bytes, "seconds": result.seconds,

@@ -23,6 +23,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
     p = vsub.add_parser("delete", parents=[common], help="delete a volume and its branches")
     p.add_argument("name", metavar="NAME")
+    p.add_argument("--yes", action="store_true",
+                   help="do not ask (on a terminal, delete asks first)")
     p.set_defaults(func=cmd_delete)
 
 
@@ -45,6 +47,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
+    import sys
     with open_store(args) as store:
+        if not args.yes and sys.stdin.isatty():
+            n = len(store.list_branches(args.name))
+            answer = input(f"delete volume {args.name!r} and its {n} branch(es)? [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                print("nothing deleted", file=sys.stderr)
+                return 1
         store.delete_volume(args.name)
     return 0

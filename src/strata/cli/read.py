@@ -66,6 +66,9 @@ def cmd_log(args: argparse.Namespace) -> int:
     else:
         for i in infos:
             print(f"{short(i.id)}  {fmt_time(i.time_ns)}  {i.message}".rstrip())
+        if infos and infos[-1].parent is not None and (args.limit is None
+                                                       or len(infos) < args.limit):
+            print("(older history expired: retention policy)")
     return 0
 
 

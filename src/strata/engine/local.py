@@ -392,6 +392,9 @@ class LocalStore(Store):
         self._check_open()
         loc = self._indexer.locate(oid)
         if loc is None:
+            if self.index.is_expired(oid):  # as get_object says it: history ends there
+                raise Expired(f"snapshot {oid.hex()} expired (retention policy; "
+                              "garbage collection removed it)")
             raise no_object(oid)
         return packfmt.peek_object_size(partial(self._packs.pread, loc[0]), loc[1],
                                         self._packs.info(loc[0]).sync)

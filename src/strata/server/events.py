@@ -41,7 +41,7 @@ from typing import Any
 
 from aiohttp import web
 
-from strata.engine.errors import NotFound, StrataError
+from strata.engine.errors import Expired, NotFound, StrataError
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.tree import Trees
 
@@ -291,7 +291,11 @@ def count_changes(store: Store, sid: str, count_limit: int = COUNT_LIMIT) -> dic
     out: dict[str, Any] = {"added": 0, "deleted": 0, "modified": 0}
     if info.parent is None:
         return out
-    base = store.snapshot(info.parent).root
+    try:
+        base = store.snapshot(info.parent).root
+    except Expired:
+        out["parent_expired"] = True  # what came before was let go: nothing to compare
+        return out
     n = 0
     for _path, old, new in Trees(store, store.node_cache).diff(base, info.root):
         change = "added" if old is None else "deleted" if new is None else "modified"

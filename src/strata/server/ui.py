@@ -41,7 +41,7 @@ from typing import Any
 import blake3
 from aiohttp import web
 
-from strata.engine.errors import InvalidInput, NotFound, Unauthenticated
+from strata.engine.errors import Expired, InvalidInput, NotFound, Unauthenticated
 from strata.engine.interface import Store
 from strata.engine.local import LocalStore
 from strata.engine.names import check_branch, check_hex_id, check_volume, split_path
@@ -294,15 +294,23 @@ async def api_log(request: web.Request) -> web.Response:
         if "after" in view.q and cur is not None:
             cur = view.store.snapshot(cur).parent
         entries: list[dict[str, Any]] = []
+        expired = False  # history ends where a retention policy let it go
         while cur is not None and len(entries) < limit:
-            ev = events_mod.describe_publish(view.store, cur, count_limit=10_000)
+            try:
+                ev = events_mod.describe_publish(view.store, cur, count_limit=10_000)
+            except Expired:
+                expired, cur = True, None
+                break
             entries.append({"id": cur, "parent": ev["parent"], "time": ev["snapshot_time"],
                             "message": ev["message"], "run": ev["run"],
                             "added": ev["added"], "deleted": ev["deleted"],
                             "modified": ev["modified"], "truncated": ev.get("truncated", False)})
             cur = ev["parent"]
+            if ev.get("parent_expired"):
+                expired, cur = True, None
         return {"volume": volume, "branch": branch, "head": heads[branch],
-                "entries": entries, "next": entries[-1]["id"] if cur is not None else None}
+                "entries": entries, "next": entries[-1]["id"] if cur is not None else None,
+                "older_expired": expired}
 
     return _json(await view.run(run))
 

@@ -126,6 +126,10 @@ async function log() {
   async function page(after) {
     const data = await getJSON("/ui/api/log", { v, b, after, limit: 50 });
     for (const e of data.entries) list.append(logItem(v, e, false));
+    if (data.older_expired) {
+      list.append(el("li", { class: "muted", id: "expired" },
+                     "older history expired (retention policy)"));
+    }
     next = data.next;
     more.hidden = !next;
   }

@@ -90,6 +90,7 @@ class Env:
         t.write("blob.bin", self.blob)
         t.write("page.html", HTML)
         t.write(ODD_NAME, b"odd name, plain text\n")
+        t.write("gaps.txt", b"one\n\n\nfour\n\nsix\n")
         t.mkdir("many")
         for i in range(300):
             t.write(f"many/f{i:04d}", b"x")
@@ -238,6 +239,12 @@ def test_text_file_with_line_numbers(env: Env, browser: WebDriver) -> None:
         "e => getComputedStyle(e, '::before').content)")
     assert numbers and all("counter" in n or n.strip('"').isdigit() for n in numbers)
     _screenshot(browser, "file-text")
+    # Blank lines keep their height: each line's number sits on its own line.
+    _open(browser, env, f"view=file&v=proj&s={env.second}&p=gaps.txt", "#text")
+    tops = browser.execute_script(
+        "return [...document.querySelectorAll('#text span.l')].map("
+        "e => e.getBoundingClientRect().top)")
+    assert len(tops) == 6 and all(b - a > 5 for a, b in zip(tops, tops[1:])), tops
 
 
 def test_image_sqlite_and_binary_files(env: Env, browser: WebDriver) -> None:

@@ -244,7 +244,8 @@ def test_text_file_with_line_numbers(env: Env, browser: WebDriver) -> None:
     tops = browser.execute_script(
         "return [...document.querySelectorAll('#text span.l')].map("
         "e => e.getBoundingClientRect().top)")
-    assert len(tops) == 6 and all(b - a > 5 for a, b in zip(tops, tops[1:])), tops
+    assert len(tops) == 6 and all(b - a > 5 for a, b in zip(tops, tops[1:], strict=False)), \
+        tops
 
 
 def test_image_sqlite_and_binary_files(env: Env, browser: WebDriver) -> None:

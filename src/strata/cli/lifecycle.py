@@ -67,14 +67,24 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
         return 0
-    verb = "would free" if report["dry_run"] else "freed"
-    print(f"gc: {verb} {report['objects_deleted']} object(s), {_mb(report['bytes_freed'])}; "
-          f"{report['snapshots_expired']} snapshot(s) expired, "
+    dry = report["dry_run"]
+    print(f"gc: {'would drop' if dry else 'dropped'} {report['objects_deleted']} unreachable "
+          f"object(s) ({_mb(report['bytes_freed'])} of data); "
+          f"{report['snapshots_expired']} snapshot(s) and "
           f"{len(report['branches_expired'])} branch(es) expired")
-    print(f"gc: {len(report['packs_compacted'])} pack(s) compacted "
-          f"({_mb(report['bytes_copied'])} copied), {len(report['packs_deleted'])} deleted "
-          f"({_mb(report['bytes_reclaimed'])} given back); live {_mb(report['live_bytes'])}, "
-          f"dead {_mb(report['dead_bytes'])}; {report['seconds']:.2f} s")
+    print(f"gc: {'would give' if dry else 'gave'} back {_mb(report['bytes_reclaimed'])} of "
+          f"disk now ({len(report['packs_deleted'])} pack(s) deleted); compaction "
+          f"{'would copy' if dry else 'copied'} {_mb(report['bytes_copied'])} of live data "
+          f"out of {len(report['packs_compacted'])} pack(s)")
+    pending = report.get("bytes_pending", 0)
+    if pending:
+        # Packs go one pass after they empty: a reader that began before this pass
+        # may still be reading them (docs/design.md, "Garbage collection").
+        print(f"gc: {_mb(pending)} in {len(report['packs_pending'])} pack(s) "
+              f"{'would be' if dry else 'is'} given back by the next pass (run `strata gc` "
+              "again; the server's own pass, every 10 minutes by default, does it too)")
+    print(f"gc: live {_mb(report['live_bytes'])}, dead {_mb(report['dead_bytes'])}; "
+          f"{report['seconds']:.2f} s")
     if report.get("waiting"):
         print(f"gc: {report['waiting']}")
     return 0

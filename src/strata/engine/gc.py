@@ -334,6 +334,10 @@ class Report:
     live_bytes: int = 0
     dead_bytes: int = 0
     waiting: str | None = None    # why nothing was deleted yet
+    # Packs this pass emptied (or compacted): deleted by the next pass, once nothing that
+    # began before this one can still read them. Their bytes are still on disk now.
+    packs_pending: list[int] = field(default_factory=list)
+    bytes_pending: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -455,6 +459,9 @@ def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> N
             _compact(store, set(compact))
             empty_now += compact
         store.index.put_meta(b"gc-empty", json.dumps(empty_now).encode())
+    for n in empty_now if not dry_run else empty_now + compact:
+        report.packs_pending.append(n)
+        report.bytes_pending += store._packs.size(n)
 
 
 def _load_empty(store: LocalStore) -> set[int]:

@@ -16,6 +16,7 @@ from strata.cli.common import (
     print_json,
     store_path,
 )
+from strata.engine.errors import InvalidInput
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -60,9 +61,29 @@ def cmd_init(args: argparse.Namespace) -> int:
     path = store_path(args)
     if args.bucket:
         from strata.engine.bucket import Bucket  # obstore: only with a bucket
-        Bucket(args.bucket).check_conditional()
+        from strata.engine.tier import BUCKET_META
+        bucket = Bucket(args.bucket)
+        bucket.check_conditional()
+        if bucket.exists(BUCKET_META):
+            raise InvalidInput(f"{args.bucket} holds a store already: `strata restore "
+                               f"{args.bucket}` makes a store from it; a new store needs "
+                               "a prefix of its own")
     init_store(path, bucket=args.bucket, sync=args.sync, cache_size=args.cache_size,
                encrypt=not args.no_encrypt)
+    if args.bucket:
+        # Bind the prefix to this store now (create-only), not at the server's first
+        # start: a second `init` on it is refused here, not by a server that exits.
+        import shutil
+
+        from strata.engine.storedir import read_store_meta
+        from strata.engine.tier import bucket_meta, store_key
+        meta = read_store_meta(path)
+        try:
+            bucket_meta(Bucket(args.bucket, store_key(path, meta)), str(meta["id"]),
+                        int(meta["block_size"]))
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)  # the store this command just made
+            raise
     print(f"strata store at {path}" + (f", kept in {args.bucket}" if args.bucket else ""))
     if args.bucket:
         from strata.engine.seal import KEY_FILE

@@ -108,20 +108,43 @@ def ensure_server(path: str, timeout: float = 15.0) -> str:
     import subprocess
     idle = os.environ.get("STRATA_SERVER_IDLE_EXIT", "300")
     # Owner only, like every store file (requests and errors name volumes and paths).
-    with open(os.open(os.path.join(path, "serve.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-                      0o600), "ab") as log:
+    log_path = os.path.join(path, "serve.log")
+    with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
         os.fchmod(log.fileno(), 0o600)  # one an older strata made 0644
-        subprocess.Popen(
+        start = log.seek(0, os.SEEK_END)
+        proc = subprocess.Popen(
             [sys.executable, "-m", "strata", "serve", "--store", path, "--idle-exit", idle],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             close_fds=True)
     deadline = time.monotonic() + timeout
+    exited: float | None = None
     while time.monotonic() < deadline:
         if is_serving(sock):
             return sock
+        if exited is None and proc.poll() is not None:
+            exited = time.monotonic()  # another command's server may be starting instead
+        if exited is not None and time.monotonic() - exited > 2.0:
+            # It gave up (a bucket that holds another store, a fenced owner...): its
+            # own words, at once, not a time-out's.
+            raise Unavailable(f"the store's server could not start: "
+                              f"{_last_error(log_path, start)} (see {log_path})")
         time.sleep(0.02)
     raise Unavailable(f"the store's server did not start within {timeout:g}s "
-                      f"(see {os.path.join(path, 'serve.log')})")
+                      f"(see {log_path})")
+
+
+def _last_error(log_path: str, start: int) -> str:
+    """The reason a server gave in its log since `start`: its last error line."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            lines = f.read(64 * 1024).decode(errors="replace").splitlines()
+    except OSError:
+        return "it exited"
+    errors = [ln for ln in lines if ln.startswith("strata: error: ")]
+    if errors:
+        return errors[-1].removeprefix("strata: error: ")
+    return lines[-1].strip() if lines else "it exited"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,39 @@
+"""A bucket store, as a new user met it: failures say why at once.
+
+`init --bucket` on a prefix that already held a store printed success, and
+every later command waited 15 s for a server that had exited with the real
+cause in serve.log. A store fenced by a takeover behaved the same way.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from serverutil import Server, cli  # noqa: E402
+
+
+def test_init_refuses_a_prefix_that_holds_a_store(tmp_path: Path, bucket_url: str) -> None:
+    assert cli("init", "--bucket", bucket_url, store=tmp_path / "a").returncode == 0
+    p = cli("init", "--bucket", bucket_url, store=tmp_path / "b")
+    assert p.returncode != 0 and b"holds a store already" in p.stderr, p.stderr
+    assert not (tmp_path / "b" / "STRATA").exists()
+
+
+def test_a_fenced_store_says_so_at_once(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/bucket"
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli("init", "--bucket", url, store=a).returncode == 0
+    assert cli("volume", "create", "v", store=a).returncode == 0  # starts a's server
+    assert cli("serve", "--stop", store=a).returncode == 0
+    taker = Server(b, args=("--bucket", url, "--takeover", "--key-file",
+                            str(a / "bucket.key")))
+    taker.start()
+    taker.stop()
+    t0 = time.monotonic()
+    p = cli("ls", "v", store=a)
+    took = time.monotonic() - t0
+    assert p.returncode != 0 and b"could not start" in p.stderr, p.stderr
+    assert b"did not start within" not in p.stderr and took < 10, (took, p.stderr)

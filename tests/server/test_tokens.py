@@ -503,3 +503,12 @@ def test_a_snapshot_the_owner_brings_into_a_volume_becomes_readable_to_it(env: E
                 200, env.owner.get_object(oid))
     finally:
         env.owner.delete_branch("a", "from-b")
+
+
+def test_a_branch_token_is_told_which_branch_it_is_for(env: Env) -> None:
+    """A new user with a token for a@exp ran `strata ls a` and read "no branch 'live'"."""
+    assert cli("fork", "a", "scoped", store=env.store).returncode == 0
+    tok = env.token("a@scoped", "--ro")["token"]
+    rc, _out, err = env.as_token(tok, "ls", "a")
+    assert rc == 2 and "this token is for a@scoped" in err, (rc, err)
+    assert env.as_token(tok, "ls", "a@scoped")[0] == 0

@@ -162,7 +162,16 @@ class Ref:
             store.list_branches(self.volume)  # the volume must exist
             return store.find_snapshot(self.snapshot)
         assert self.branch is not None
-        return store.head(self.volume, self.branch)
+        try:
+            return store.head(self.volume, self.branch)
+        except NotFound:
+            if "@" not in self.text and hasattr(store, "whoami"):
+                # A branch-scoped token sees only its branch: say which, not "no 'live'".
+                scope = store.whoami()
+                if scope.get("volume") == self.volume and scope.get("branch"):
+                    raise InvalidInput(f"this token is for {self.volume}@{scope['branch']}: "
+                                       f"name it ({self.volume}@{scope['branch']})") from None
+            raise
 
     def need_branch(self) -> str:
         if self.branch is None:

@@ -113,6 +113,8 @@ def _mount_refs(args: argparse.Namespace) -> list[RefParts]:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     target = os.path.abspath(args.dir)
+    if not os.path.lexists(target):
+        os.makedirs(target)  # as `mkdir -p` would
     if not os.path.isdir(target):
         raise InvalidInput(f"{args.dir} is not a directory")
     if os.listdir(target):

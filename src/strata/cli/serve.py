@@ -15,6 +15,7 @@ from strata.cli.common import (
     print_json,
     store_path,
 )
+from strata.cli.show import fmt_time
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -134,5 +135,6 @@ def cmd_token_list(args: argparse.Namespace) -> int:
     for t in tokens:
         scope = t["volume"] + (f"@{t['branch']}" if t["branch"] else "")
         mode = "rw" if t["writable"] else "ro"
-        print(f"{t['id']}  {scope}  {mode}  expires={t['expires'] or 'never'}")
+        expires = fmt_time(int(t["expires"] * 1e9)) if t["expires"] else "never"
+        print(f"{t['id']}  {scope}  {mode}  expires {expires}")
     return 0

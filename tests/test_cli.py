@@ -492,3 +492,13 @@ def test_gc_says_what_it_gave_back_and_what_the_next_pass_will(cli: Cli) -> None
     given = re.search(r"gave back ([\d.]+) MiB of disk now", second)
     assert given and abs(float(given[1]) - float(pending[1])) < 0.2, (first, second)
     assert before - disk() >= float(given[1]) * 2**20 * 0.9
+
+
+def test_tags_are_listed_and_a_duplicate_says_tag(cli: Cli) -> None:
+    cli.run("volume", "create", "t")
+    sid = cli.run("put", "t", "f", "-m", "one", input=b"1").stdout.strip()
+    cli.run("tag", "t", "release-1")
+    p = cli.run("tag", "t", "release-1", rc=1)
+    assert "tag 'release-1' exists" in p.stderr and "branch" not in p.stderr
+    assert cli.json("tag", "list", "t") == [{"name": "release-1", "snapshot": sid}]
+    assert cli.out("tag", "list", "t").split() == ["release-1", sid]

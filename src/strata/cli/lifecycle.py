@@ -33,10 +33,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser("tag", parents=[common],
-                       help="name a snapshot (VOLUME#SNAP or VOLUME@BRANCH) so it is kept")
-    p.add_argument("ref", metavar="REF")
-    p.add_argument("name", metavar="NAME")
+                       help="name a snapshot (VOLUME#SNAP or VOLUME@BRANCH) so it is kept; "
+                            "`strata tag list VOLUME` lists a volume's tags",
+                       description="strata tag REF NAME names REF's snapshot NAME (kept "
+                                   "forever); strata tag VOLUME NAME --delete removes it; "
+                                   "strata tag list VOLUME lists them.")
+    p.add_argument("ref", metavar="REF", help="the snapshot to name, or `list`")
+    p.add_argument("name", metavar="NAME", help="the tag (with `list`: the volume)")
     p.add_argument("--delete", action="store_true", help="remove the tag VOLUME NAME")
+    p.add_argument("--json", action="store_true", help='with list: [{"name", "snapshot"}]')
     p.set_defaults(func=cmd_tag)
 
     pol = sub.add_parser("policy", parents=[common], help="retention policies")
@@ -95,6 +100,17 @@ def _mb(n: int) -> str:
 
 
 def cmd_tag(args: argparse.Namespace) -> int:
+    from strata.engine.errors import AlreadyExists
+    if args.ref == "list" and not args.delete:
+        with open_store(args) as store:
+            tags = {b[len(TAGS):]: h for b, h in store.list_branches(args.name).items()
+                    if b.startswith(TAGS)}
+        if args.json:
+            print_json([{"name": n, "snapshot": h} for n, h in sorted(tags.items())])
+        else:
+            for n, h in sorted(tags.items()):
+                print(f"{n}\t{h}")
+        return 0
     name = check_branch(TAGS + args.name)
     with open_store(args) as store:
         if args.delete:
@@ -102,7 +118,11 @@ def cmd_tag(args: argparse.Namespace) -> int:
             return 0
         ref = parse_ref(args.ref)
         sid = ref.resolve(store)
-        store.fork(ref.volume, name, at=sid)
+        try:
+            store.fork(ref.volume, name, at=sid)
+        except AlreadyExists:
+            raise AlreadyExists(f"tag {args.name!r} exists in {ref.volume} already (a tag "
+                                "never moves: delete it first with --delete)") from None
     print(sid)
     return 0
 

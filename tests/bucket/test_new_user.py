@@ -11,7 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bucketutil import BUCKET, Moto  # noqa: E402
 from serverutil import Server, cli  # noqa: E402
 
 
@@ -37,3 +40,18 @@ def test_a_fenced_store_says_so_at_once(tmp_path: Path) -> None:
     took = time.monotonic() - t0
     assert p.returncode != 0 and b"could not start" in p.stderr, p.stderr
     assert b"did not start within" not in p.stderr and took < 10, (took, p.stderr)
+
+
+def test_bucket_errors_are_one_line_that_says_what_to_do(tmp_path: Path, moto: Moto,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """They were ~30 lines of Rust debug output (`builder error ... BadScheme`)."""
+    for k, v in moto.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    p = cli("init", "--bucket", f"s3://{BUCKET}/plain-http", store=tmp_path / "a")
+    assert p.returncode != 0 and len(p.stderr.decode().strip().splitlines()) == 1, p.stderr
+    assert b"AWS_ALLOW_HTTP" in p.stderr
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    p = cli("init", "--bucket", "s3://no-such-bucket-here/x", store=tmp_path / "b")
+    assert p.returncode != 0 and len(p.stderr.decode().strip().splitlines()) == 1, p.stderr
+    assert b"does not exist" in p.stderr

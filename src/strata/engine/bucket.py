@@ -72,6 +72,27 @@ HINT = "log-hint"
 HEADERS_KEPT = 4096  # headers of sealed objects kept for ranged reads (36 bytes each)
 
 
+def why(exc: BaseException) -> str:
+    """One line a user can act on, for what obstore reports in many (Rust debug output)."""
+    text = str(exc)
+    low = text.lower()
+    if "badscheme" in low or ("builder error" in low and "http" in low):
+        return ("the endpoint is plain http: set AWS_ALLOW_HTTP=true to allow it (or use "
+                "https)")
+    if "nosuchbucket" in low or "bucket does not exist" in low or "no such bucket" in low:
+        return "the bucket does not exist: create it first (strata never creates buckets)"
+    if ("credential" in low and ("missing" in low or "not found" in low or "no " in low)) \
+            or "invalidaccesskeyid" in low or "signaturedoesnotmatch" in low:
+        return ("the bucket refused the credentials: check AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or your cloud's own variables)")
+    if "accessdenied" in low or "403" in low and "forbidden" in low:
+        return "the bucket refused access (403): check the credentials' permissions"
+    if "connection refused" in low or "dns error" in low or "timed out" in low:
+        return "the bucket's endpoint does not answer: check AWS_ENDPOINT_URL and the network"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return first[:200] + ("..." if len(first) > 200 else "")
+
+
 class BucketUnavailable(Unavailable):
     """The bucket did not answer (after obstore's retries): nothing was changed by us."""
 
@@ -138,14 +159,14 @@ class Bucket:
         except _TAKEN:  # some backends answer 412 for If-None-Match, others 409
             raise Exists(f"bucket object {name} already exists") from None
         except _FAILED as exc:
-            raise BucketUnavailable(f"bucket write of {name} failed: {exc}") from None
+            raise BucketUnavailable(f"bucket write of {name} failed: {why(exc)}") from None
 
     def put(self, name: str, data: bytes) -> None:
         """Write `name` unconditionally (only for hints, never for facts)."""
         try:
             obstore.put(self._store, name, data)
         except _FAILED as exc:
-            raise BucketUnavailable(f"bucket write of {name} failed: {exc}") from None
+            raise BucketUnavailable(f"bucket write of {name} failed: {why(exc)}") from None
 
     def get(self, name: str) -> bytes:
         """The whole object (its verified content, with a key)."""
@@ -159,7 +180,7 @@ class Bucket:
         except _MISSING:
             raise NotFound(f"bucket object {name} is missing") from None
         except _FAILED as exc:
-            raise BucketUnavailable(f"bucket read of {name} failed: {exc}") from None
+            raise BucketUnavailable(f"bucket read of {name} failed: {why(exc)}") from None
 
     def get_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of `name`'s content; short only if the object is.
@@ -235,7 +256,7 @@ class Bucket:
         except _MISSING:
             raise NotFound(f"bucket object {name} is missing") from None
         except _FAILED as exc:
-            raise BucketUnavailable(f"bucket read of {name} failed: {exc}") from None
+            raise BucketUnavailable(f"bucket read of {name} failed: {why(exc)}") from None
 
     def size(self, name: str) -> int:
         """Bytes the object takes in the bucket (see `stored_size`)."""
@@ -244,7 +265,7 @@ class Bucket:
         except _MISSING:
             raise NotFound(f"bucket object {name} is missing") from None
         except _FAILED as exc:
-            raise BucketUnavailable(f"bucket head of {name} failed: {exc}") from None
+            raise BucketUnavailable(f"bucket head of {name} failed: {why(exc)}") from None
 
     def exists(self, name: str) -> bool:
         try:
@@ -252,7 +273,7 @@ class Bucket:
         except _MISSING:
             return False
         except _FAILED as exc:
-            raise BucketUnavailable(f"bucket head of {name} failed: {exc}") from None
+            raise BucketUnavailable(f"bucket head of {name} failed: {why(exc)}") from None
         return True
 
     def delete(self, name: str) -> None:
@@ -261,7 +282,7 @@ class Bucket:
         except _MISSING:
             pass
         except _FAILED as exc:
-            raise BucketUnavailable(f"bucket delete of {name} failed: {exc}") from None
+            raise BucketUnavailable(f"bucket delete of {name} failed: {why(exc)}") from None
 
     def check_conditional(self) -> None:
         """Prove that a second create-only put of one name is refused, or refuse to run."""

@@ -57,6 +57,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="the sandbox's root filesystem from a volume (e.g. one that "
                         "`strata import` filled from mmdebstrap), read lazily as of the "
                         "step's start; what the step changes in it is thrown away")
+    p.add_argument("--takeover", action="store_true",
+                   help="with --root: take the workspace over even if it is attached on this "
+                        "host (that attach is fenced; what it writes after is dropped)")
     p.add_argument("-m", "--message", default=None)
     p.add_argument("--merge-identical", action="store_true",
                    help="accept a path the head already holds exactly as this step left it; by "
@@ -83,7 +86,8 @@ def _run_root(args: argparse.Namespace, argv: list[str]) -> int:
     with open_remote(args) as store:
         result = run_in_workspace(store, ref.volume, ref.branch or "live", argv,
                                   sandbox=args.sandbox, timeout=args.timeout,
-                                  memory=args.memory, network=args.network, pids=args.pids)
+                                  memory=args.memory, network=args.network, pids=args.pids,
+                                  takeover=args.takeover)
     if args.json:
         print_json({"status": result.status, "run": result.run_id, "head":
                     result.published.get(ref.volume), "timed_out": result.timed_out,
@@ -124,7 +128,7 @@ def _run(args: argparse.Namespace, argv: list[str], root: tuple[str, str] | None
         result = run_step(store, specs, argv, sandbox=args.sandbox, timeout=args.timeout,
                           memory=args.memory, network=args.network, message=args.message,
                           identical=args.merge_identical, root=root, pids=args.pids,
-                          disk=args.disk, image=image)
+                          disk=args.disk, image=image, takeover=args.takeover)
     return _report(args, result.to_json())
 
 

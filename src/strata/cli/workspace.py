@@ -149,8 +149,9 @@ def cmd_fork(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from strata.workspace.attach import attached, read_layout
+    from strata.workspace.attach import attached, fenced_note, read_layout
     here = {(a.volume, a.branch): a.dir for a in attached()}
+    fenced = {(a.volume, a.branch) for a in attached() if fenced_note(a) is not None}
     rows: list[dict[str, Any]] = []
     with open_remote(args) as store:
         for vol in store.list_volumes():
@@ -163,13 +164,16 @@ def cmd_list(args: argparse.Namespace) -> int:
                 continue
             for br, head in sorted(branches.items()):
                 rows.append({"workspace": f"{vol}@{br}", "size": layout.size, "head": head,
-                             "attached": here.get((vol, br))})
+                             "attached": here.get((vol, br)),
+                             "fenced": (vol, br) in fenced})
     if args.json:
         print_json(rows)
     else:
         for r in rows:
-            print(f"{r['workspace']}\t{r['size'] >> 30}G\t{short(r['head'])}\t"
-                  f"{r['attached'] or '-'}")
+            where = r["attached"] or "-"
+            if r["fenced"]:
+                where += " (fenced: another holder took it over; detach it)"
+            print(f"{r['workspace']}\t{r['size'] >> 30}G\t{short(r['head'])}\t{where}")
     return 0
 
 

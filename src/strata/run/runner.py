@@ -157,7 +157,8 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
              on_publish: Callable[[], None] | None = None,
              on_done: Callable[[StepResult], None] | None = None,
              root: tuple[str, str] | None = None, pids: int | None = DEFAULT_PIDS,
-             disk: int | None = None, image: VolumeSpec | None = None) -> StepResult:
+             disk: int | None = None, image: VolumeSpec | None = None,
+             takeover: bool = False) -> StepResult:
     """Run `argv` as one transaction over `specs` (see the module docstring).
 
     `mounter` is a mount process forked already (the step service forks it
@@ -195,7 +196,8 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
     if mounter is None:
         mounter = Prepared(watch_pid=os.getpid())
     sweep_abandoned_steps()  # what runners killed at the wrong moment left behind
-    ws_root = _WorkspaceRoot(store, *root, run_id) if root is not None else None
+    ws_root = (_WorkspaceRoot(store, *root, run_id, takeover=takeover) if root is not None
+               else None)
     jail = StepJail(sandbox, run_id)
     try:
         for spec in specs:
@@ -389,11 +391,13 @@ class _WorkspaceRoot:
     and the next step with a workspace root sweeps the directory.
     """
 
-    def __init__(self, store: Store, volume: str, branch: str, run_id: str) -> None:
+    def __init__(self, store: Store, volume: str, branch: str, run_id: str, *,
+                 takeover: bool = False) -> None:
         from strata.server.client import RemoteStore
         if not isinstance(store, RemoteStore):
             raise StrataError("a workspace root needs a store server")
         self.store, self.volume, self.branch = store, volume, branch
+        self.takeover = takeover
         _sweep_workspace_roots()  # what earlier runners of `--root` that died left
         self.work = os.path.join(scratch_root(), f"root-{run_id}")
         self.dir = os.path.join(self.work, "root")
@@ -401,8 +405,16 @@ class _WorkspaceRoot:
 
     def attach(self) -> None:
         from strata.server.client import RemoteStore
-        from strata.workspace.attach import attach
+        from strata.workspace.attach import attach, attached
         assert isinstance(self.store, RemoteStore)
+        if not self.takeover:
+            for att in attached():
+                if (att.volume, att.branch) == (self.volume, self.branch) and alive(att.pid) \
+                        and not att.snapshot:
+                    raise InvalidInput(
+                        f"ws:{self.volume}@{self.branch} is attached at {att.dir} on this "
+                        "host: detach it first, or pass --takeover to fence that attach "
+                        "(what is written there after is then dropped)")
         os.makedirs(self.dir)
         with open(os.path.join(self.work, "runner"), "w") as f:
             f.write(str(os.getpid()))
@@ -487,7 +499,7 @@ def _sweep_workspace_roots() -> None:
 def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,
                      sandbox: str = "bwrap", timeout: float | None = None,
                      memory: int | None = None, network: bool = False,
-                     pids: int | None = DEFAULT_PIDS) -> StepResult:
+                     pids: int | None = DEFAULT_PIDS, takeover: bool = False) -> StepResult:
     """Run `argv` with an attached workspace as the sandbox's whole root filesystem.
 
     A workspace is durable, not transactional: what the command wrote stays,
@@ -503,7 +515,7 @@ def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,
                            f"not {sandbox!r}")
     jail = StepJail(sandbox, run_id)
     try:
-        with _WorkspaceRoot(store, volume, branch, run_id) as root:
+        with _WorkspaceRoot(store, volume, branch, run_id, takeover=takeover) as root:
             jail.open()
             jail.show_root(root.dir)
             launch = build_command(sandbox, argv, "", network=network, workdir=root.work,

@@ -63,6 +63,11 @@ MKFS = ["mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=1,lazy_journa
 # commit, so a flush that fails (this daemon killed, the server refusing a fenced
 # host) still acknowledges the fsync. Host-loss tests lost acknowledged O_DSYNC
 # appends that way (docs/workspaces.md, "Why ordered journal commits").
+FENCED = "fenced"  # in an attach's state directory, once another holder took it over
+
+
+class WritesDropped(StrataError):
+    """A detach found the attach fenced: what was written after that is not in the store."""
 MOUNT_OPTIONS = "noatime,nosuid,nodev"  # what a workspace holds never raises privilege
 
 
@@ -186,9 +191,25 @@ class Daemon:
             except Forbidden as exc:
                 dev.fenced = f"this host no longer holds the workspace's lease: {exc}"
                 print(f"strata workspace: fenced: {exc}", flush=True)
+                self.note_fenced()
                 return
             except StrataError as exc:
                 print(f"strata workspace: lease renewal failed, retrying: {exc}", flush=True)
+
+    def note_fenced(self) -> None:
+        """Record, beside the attach, that it was fenced and what it could not publish.
+
+        `workspace list` shows it; `workspace detach` reports it and fails.
+        """
+        dev = self.device
+        if dev is None or not dev.fenced:
+            return
+        doc = {"reason": dev.fenced, "dropped_bytes": dev.dirty_bytes + dev.refused_bytes}
+        tmp = os.path.join(self.att.state_dir, FENCED + ".tmp")
+        with contextlib.suppress(OSError):
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+            os.rename(tmp, os.path.join(self.att.state_dir, FENCED))
 
     def write_back(self) -> None:
         dev = self.device
@@ -196,7 +217,8 @@ class Daemon:
         since: float | None = None
         while not self.stopping.wait(0.25):
             if dev.fenced:
-                return
+                self.note_fenced()
+                continue  # keep the count of what is refused up to date
             if dev.dirty_bytes == 0:
                 since = None
                 continue
@@ -441,6 +463,7 @@ def run_daemon(att: Attached, report: int | None) -> int:
             if not dev.fenced and not att.snapshot:
                 dev.flush()
                 store.release_lease(att.volume, att.branch, daemon.lease)
+        daemon.note_fenced()  # the final count, after the unmount's own writes
         if att.owner and not alive(att.owner):
             shutil.rmtree(att.state_dir, ignore_errors=True)  # nobody is left to detach
     return 0
@@ -596,7 +619,23 @@ def detach(directory: str, *, timeout: float = 60.0) -> None:
         raise InvalidInput(f"the device of {att.dir} stays busy")
     while att.pid and alive(att.pid) and time.monotonic() < deadline:
         time.sleep(0.02)
+    fenced = fenced_note(att)
     shutil.rmtree(att.state_dir, ignore_errors=True)
+    if fenced is not None:
+        raise WritesDropped(f"{att.dir} was fenced ({fenced['reason']}): another holder took "
+                     f"{att.volume}@{att.branch} over, and {fenced['dropped_bytes']} byte(s) "
+                     "written here after that were dropped; the workspace holds what the "
+                     "other holder wrote")
+
+
+def fenced_note(att: Attached) -> dict[str, Any] | None:
+    """What the daemon recorded when it was fenced, or None if it never was."""
+    try:
+        with open(os.path.join(att.state_dir, FENCED)) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def snapshot(store: Store, volume: str, branch: str, message: str) -> str:

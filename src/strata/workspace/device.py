@@ -132,6 +132,7 @@ class Device:
         self._writes = 0                         # counts writes, for read-modify-write
         self._written: set[int] | None = None    # extents the head holds, once listed
         self.fenced: str | None = None           # why writes are refused, once fenced
+        self.refused_bytes = 0                   # writes refused since (detach reports them)
         # While the filesystem is being made or mounted (mkfs, journal replay), the
         # kernel's flushes are answered without a publish; the attach publishes once
         # after (see `_mount_fs` and docs/workspaces.md, "Attach, write, flush").
@@ -260,13 +261,14 @@ class Device:
 
     # -- writing ---------------------------------------------------------------------
 
-    def _check_writable(self) -> None:
+    def _check_writable(self, n: int = 0) -> None:
         if self.fenced is not None:
+            self.refused_bytes += n  # what the filesystem above meant to write, and lost
             raise DeviceError(self.fenced)
 
     def write(self, offset: int, data: bytes) -> int:
         """Write `data` at `offset` into memory; `flush` makes it durable."""
-        self._check_writable()
+        self._check_writable(len(data))
         if offset < 0 or offset + len(data) > self.layout.size:
             raise DeviceError("write past the end of the device")
         bs = self.layout.block

@@ -502,3 +502,12 @@ def test_tags_are_listed_and_a_duplicate_says_tag(cli: Cli) -> None:
     assert "tag 'release-1' exists" in p.stderr and "branch" not in p.stderr
     assert cli.json("tag", "list", "t") == [{"name": "release-1", "snapshot": sid}]
     assert cli.out("tag", "list", "t").split() == ["release-1", sid]
+
+
+def test_human_output_has_no_epochs_seconds_or_reprs(cli: Cli) -> None:
+    cli.run("volume", "create", "h")
+    cli.run("policy", "set", "h", "--keep-newer", "1d")
+    assert "newer than 1d" in cli.out("policy", "show", "h")
+    assert cli.out("log", "h").endswith("(empty volume)")
+    stats = cli.out("stats")
+    assert "['" not in stats and "None" not in stats, stats

@@ -129,18 +129,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return 0
     tier = stats.pop("bucket", None)
     gc = stats.pop("gc", None)
+    from strata.cli.show import fmt_value
     for k, v in sorted(stats.items()):
-        print(f"{k:>22}: {v}")
+        print(f"{k:>22}: {fmt_value(k, v)}")
     if gc:
         print("last garbage collection:")
         for k in ("started", "seconds", "live_bytes", "dead_bytes", "bytes_freed",
                   "bytes_reclaimed", "objects_deleted", "snapshots_expired", "packs_deleted",
                   "packs_compacted", "waiting"):
-            print(f"{k:>22}: {gc.get(k)}")
+            print(f"{k:>22}: {fmt_value(k, gc.get(k))}")
+    else:
+        print("last garbage collection: none yet (`strata gc` runs one; the server runs "
+              "one every 10 minutes)")
     if tier:
         print("bucket tier:")
         for k, v in tier.items():
-            print(f"{k:>22}: {v}")
+            print(f"{k:>22}: {fmt_value(k, v)}")
     return 0
 
 

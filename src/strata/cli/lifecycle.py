@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from strata.cli.common import open_remote, open_store, parse_ref, print_json
+from strata.cli.show import fmt_duration
 from strata.engine.errors import InvalidInput
 from strata.engine.names import check_branch
 
@@ -154,8 +155,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
     if pol["keep_last"] is not None:
         keep.append(f"the last {pol['keep_last']} snapshot(s)")
     if pol["keep_newer"] is not None:
-        keep.append(f"snapshots newer than {pol['keep_newer']:g} s")
+        keep.append(f"snapshots newer than {fmt_duration(pol['keep_newer'])}")
     print(f"{args.ref}: keeps " + (" and ".join(keep) if keep else "all history")
-          + f"; run/* and rejected/* expire after {pol['expire_runs']:g} s; heads and tags "
-            "are always kept")
+          + f"; run/* and rejected/* expire after {fmt_duration(pol['expire_runs'])}; heads "
+          "and tags are always kept")
     return 0

@@ -65,6 +65,9 @@ def cmd_log(args: argparse.Namespace) -> int:
         print_json([i.to_json() for i in infos])
     else:
         for i in infos:
+            if i.parent is None and i.time_ns == 0:  # every volume's first snapshot
+                print(f"{short(i.id)}  (empty volume)")
+                continue
             print(f"{short(i.id)}  {fmt_time(i.time_ns)}  {i.message}".rstrip())
         if infos and infos[-1].parent is not None and (args.limit is None
                                                        or len(infos) < args.limit):

@@ -123,3 +123,40 @@ def long_line(name: str, v: list[Any]) -> str:
     elif v[KIND] == K_DIR:
         line += "/"
     return line
+
+
+def fmt_duration(seconds: float) -> str:
+    """90 -> 1m30s, 86400 -> 1d: as `--keep-newer` and `--ttl` take them."""
+    s = int(round(seconds))
+    if s <= 0:
+        return "0s"
+    out = []
+    for unit, size in (("w", 7 * 86400), ("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if s >= size:
+            out.append(f"{s // size}{unit}")
+            s %= size
+    return "".join(out[:2])
+
+
+def fmt_value(key: str, value: Any) -> str:
+    """A stats value for people: lists joined, None as '-', times as dates, bytes in units."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(fmt_value(key, v) for v in value) if value else "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {fmt_value(k, v)}" for k, v in value.items()) if value else "-"
+    if isinstance(value, float) and key in ("started", "time", "at") and value > 1e9:
+        return fmt_time(int(value * 1e9))
+    if isinstance(value, (int, float)) and "bytes" in key and value >= 1024:
+        n = float(value)
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if n < 1024:
+                return f"{n:.1f} {unit}"
+            n /= 1024
+        return f"{n:.1f} PiB"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)

@@ -23,6 +23,21 @@ from strata.server.client import RemoteStore, default_socket, is_serving
 STRATA = [sys.executable, "-m", "strata"]
 
 
+def peak_rss(pid: int) -> int:
+    """A process's peak resident set (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def reset_peak(pid: int) -> None:
+    """Start a process's peak resident set again from its current one."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

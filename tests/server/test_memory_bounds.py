@@ -21,25 +21,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serverutil import Server, cli, free_port  # noqa: E402
+from serverutil import Server, cli, free_port, peak_rss, reset_peak  # noqa: E402
 from strata.engine.local import init_store  # noqa: E402
 from strata.engine.objects import BLOCK, object_id  # noqa: E402
 from strata.server.client import RemoteStore  # noqa: E402
 
 MIB = 1024 * 1024
-
-
-def peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
-def reset_peak(pid: int) -> None:
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
 
 
 def send(port: int, token: str, method: str, path: str, body: bytes,

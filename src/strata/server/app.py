@@ -38,6 +38,7 @@ from strata.engine.local import LocalStore
 from strata.engine.names import check_branch, check_hex_id, check_volume
 from strata.server import events as events_mod
 from strata.server import ui, wire
+from strata.server.admission import Admission
 from strata.server.openapi import OPENAPI
 from strata.server.tokens import OWNER, Scope, TokenStore
 from strata.server.visibility import Visibility
@@ -58,6 +59,8 @@ LARGE_BODY = 1024 * 1024
 # at most about 200 MiB, beside the bodies' budget.
 ANSWER_BUDGET = 64 * 1024 * 1024
 PREFETCH_MAX = 256 * 1024  # bytes of new tree nodes sent back with a publish
+# Seconds a body read may wait for its next bytes (the head has serve.HEADER_TIMEOUT).
+BODY_TIMEOUT = 10.0
 
 
 class ServerState:
@@ -82,6 +85,7 @@ class ServerState:
         self.on_stop: Callable[[], Awaitable[None]] | None = None
         # Objects served by GET /v1/objects (what mounts and remote readers fetched).
         self.served = {"objects_served": 0, "bytes_served": 0}
+        self.admission: Admission | None = None  # TCP's connection caps (serve.py sets it)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -169,11 +173,31 @@ def _check_token_volume(state: Any, scope: Scope) -> None:
         raise Unauthenticated("token's volume no longer exists (deleted or made anew)")
 
 
+class UnsupportedEncoding(InvalidInput):
+    """A request body with a Content-Encoding: 415, refused before a byte of it is read.
+
+    aiohttp would inflate a gzip body before any check of ours (126 KiB of
+    gzip made 128 MiB, and eight such requests 1.3 GiB), so the server takes
+    bodies only as they travel: the runner is made with auto_decompress off,
+    and this refusal says so. No strata client compresses a request.
+    """
+
+    http_status = 415
+
+
+def _check_encoding(request: web.Request) -> None:
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedEncoding(
+            f"request bodies are taken without Content-Encoding, not {encoding[:40]!r}")
+
+
 @web.middleware
 async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
     state.last_request = time.monotonic()
     try:
+        _check_encoding(request)  # before anything reads the body, whoever sends it
         if _is_unix(request):
             request["scope"] = OWNER
         elif request.path == "/openapi.json":
@@ -204,6 +228,13 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
         return await handler(request)
     except StrataError as exc:
         resp = _error_response(exc)
+        if isinstance(exc, TooSlow):
+            # Answer, then hang up at once: aiohttp would otherwise linger up to 10 s
+            # more reading the rest of a body that has stopped arriving.
+            resp.force_close()
+            await resp.prepare(request)
+            await resp.write_eof()
+            request.protocol.force_close()  # the transport flushes the answer, then closes
         if isinstance(exc, Unavailable) and state.mode == "draining":
             # The store has a new owner (or none): a kept-alive connection would only
             # get 503 until we exit, so make the client reconnect, to the successor.
@@ -244,20 +275,41 @@ class TooLarge(InvalidInput):
     http_status = 413
 
 
+class TooSlow(InvalidInput):
+    """A request body that stopped arriving: 408, and the connection is closed."""
+
+    http_status = 408
+
+
 async def _body(request: web.Request, limit: int = MAX_BODY) -> bytes:
+    """The whole body, within `limit` bytes, each read within BODY_TIMEOUT.
+
+    The timeout is per read, as nginx's client_body_timeout: a large body on a
+    slow link may take long, but one that stops arriving is cut off, and its
+    connection with it, instead of holding a connection (and a share of the
+    body budget) for as long as its client likes.
+    """
     if request.content_length is not None and request.content_length > limit:
         raise TooLarge(f"request body over {limit} bytes")
+    data = bytearray()
+    loop = asyncio.get_running_loop()
     try:
-        data = await request.read()
-    except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past client_max_size
-        raise TooLarge(f"request body over {MAX_BODY} bytes") from None
+        async with asyncio.timeout(BODY_TIMEOUT) as deadline:
+            while True:
+                chunk = await request.content.readany()
+                if not chunk:
+                    break
+                deadline.reschedule(loop.time() + BODY_TIMEOUT)
+                data += chunk
+                if len(data) > limit:  # a chunked body only says its size as it arrives
+                    raise TooLarge(f"request body over {limit} bytes")
+    except TimeoutError:
+        raise TooSlow(f"request body stalled: nothing arrived for {BODY_TIMEOUT:g} s") from None
     except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
         raise InvalidInput("request body truncated") from exc
-    if len(data) > limit:
-        raise TooLarge(f"request body over {limit} bytes")
     if request.content_length is not None and len(data) != request.content_length:
         raise InvalidInput("request body truncated")
-    return data
+    return bytes(data)
 
 
 # -- handlers ---------------------------------------------------------------------------
@@ -736,8 +788,9 @@ async def stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
     store = state.need_store()
     tier = await state.run(store.tier_report)
+    tcp = state.admission.report() if state.admission is not None else None
     return web.json_response({**store.stats, **state.served, "bucket": tier,
-                              "gc": store.gc_report(), "listen": state.listens})
+                              "gc": store.gc_report(), "listen": state.listens, "tcp": tcp})
 
 
 async def fsck(request: web.Request) -> web.Response:

@@ -24,6 +24,7 @@ from aiohttp import web
 from strata.engine.errors import InvalidInput, StrataError, Unavailable
 from strata.engine.local import LocalStore, StoreConfig, read_store_meta
 from strata.memtrim import return_large_buffers_to_the_os
+from strata.server.admission import Admission, AdmittedSite
 from strata.server.app import ServerState, make_app
 from strata.server.client import default_socket, http_connection
 from strata.server.lean import LeanServer
@@ -31,6 +32,13 @@ from strata.server.tokens import TokenStore
 from strata.server.wire import lean_path
 
 GC_INTERVAL = 600.0  # seconds between background garbage collection passes (0: none)
+# A connection must finish sending each request's head (request line and headers)
+# within this of its start or of the previous answer, or it is closed: this is
+# aiohttp's keep-alive timeout, which closes a connection whose next request is not
+# complete by then (idle or trickling alike). Its default, an hour, let 3,000
+# half-open requests sit for as long as their clients liked. Bodies have their
+# own timeout (app.BODY_TIMEOUT).
+HEADER_TIMEOUT = 10.0
 
 
 @dataclass
@@ -106,10 +114,17 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     state = ServerState(store_dir)
     state.listens = list(listens)
     app = make_app(state)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # auto_decompress off: a compressed body is never inflated (app.UnsupportedEncoding).
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False,
+                           keepalive_timeout=HEADER_TIMEOUT)
     await runner.setup()
+    admission = Admission()  # TCP only: the unix sockets keep what TCP may not take
+    state.admission = admission
     for lst in listeners:
-        await web.SockSite(runner, lst.sock).start()
+        if lst.unix_path is None:
+            await AdmittedSite(runner, lst.sock, admission).start()
+        else:
+            await web.SockSite(runner, lst.sock).start()
     # The lean stream beside the store's own socket (server/lean.py): published,
     # handed off and removed with the HTTP listeners.
     lean_listener = _bind(f"unix:{lean_path(own[5:])}", store_dir)

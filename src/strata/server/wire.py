@@ -313,6 +313,6 @@ def raise_error(status: int, body: dict[str, Any]) -> None:
     if cls is None:
         cls = {400: errors.InvalidInput, 401: errors.Forbidden, 403: errors.Forbidden,
                404: errors.NotFound, 409: errors.AlreadyExists, 410: errors.Expired,
-               413: errors.InvalidInput,
+               413: errors.InvalidInput, 415: errors.InvalidInput,
                }.get(status, errors.StrataError)
     raise cls(message)

@@ -31,6 +31,7 @@ from strata.engine.objects import (
     TREE,
     Entry,
     FileNode,
+    TreeNode,
     object_id,
     packb,
 )
@@ -335,6 +336,41 @@ def test_nodes_and_snapshots_that_do_not_decode_are_refused(env: Env) -> None:
         assert env.store.missing([oid]) == [oid]
         env.refused("POST", "/v1/volumes/v/branches",
                     json.dumps({"name": "junk", "at": oid.hex()}).encode(), status=404)
+
+
+@pytest.mark.usefixtures("unchanged")
+def test_an_entry_whose_size_differs_from_its_file_node_is_refused(env: Env) -> None:
+    """Finding 7: readers trust the file node's size, so an entry may not claim another.
+
+    An entry claiming 1,000 bytes over a 256 MiB node (all holes: 128 KiB of
+    ids) once passed the web view's 64 MiB limit for SQLite files. Refused in
+    a change set and in an uploaded tree node alike; the honest entry lands.
+    """
+    block = os.urandom(64)
+    bid = object_id(BLOCK, block)
+    node = FileNode(size=256 << 20, block_size=65536,
+                    blocks=(bid,) + (b"\0" * 32,) * 4095).encode()
+    nid = object_id(FILENODE, node)
+    objects = wire.encode_objects([(BLOCK, block), (FILENODE, node)])
+    liar = Entry(kind=K_FILE, size=1000, ref=nid)
+    env.refused("POST", "/v1/publish", env.publish_body([["fake.db", liar.to_list()]],
+                                                        objects=objects),
+                "application/msgpack", match="says 1000 bytes, its file node holds 268435456")
+    tree = TreeNode(0, entries=((b"fake.db", liar),)).encode()
+    env.refused("POST", "/v1/objects", wire.encode_objects([(BLOCK, block), (FILENODE, node),
+                                                            (TREE, tree)]),
+                "application/octet-stream", match="says 1000 bytes")
+    assert env.store.missing([object_id(TREE, tree)]) == [object_id(TREE, tree)]
+    # The same publish with the node's own size lands (on a branch of its own).
+    env.store.fork("v", "sized", at=None)
+    honest = Entry(kind=K_FILE, size=256 << 20, ref=nid).to_list()
+    body = packb({"changesets": [{"volume": "v", "branch": "sized",
+                                  "base": env.store.head("v", "sized"),
+                                  "changes": [["fake.db", honest]], "message": "",
+                                  "meta": {}, "lease": None}], "objects": objects})
+    status, reply = env.raw("POST", "/v1/publish", body, "application/msgpack")
+    assert status == 200, reply
+    env.store.delete_branch("v", "sized")
 
 
 # -- malformed encodings and types -----------------------------------------------------------------

@@ -69,6 +69,7 @@ from strata.engine.objects import (
     FileNode,
     Snapshot,
     TreeNode,
+    check_entry_size,
     object_id,
     packb,
     references,
@@ -762,15 +763,18 @@ class LocalStore(Store):
         nodes may arrive in any order across batches, so their references are
         checked when a publish names them.
         """
-        batch = {object_id(k, raw) for k, raw in objects}
+        batch = {object_id(k, raw): (k, raw) for k, raw in objects}
         wanted: set[bytes] = set()
+        files: list[tuple[bytes, int, bytes]] = []  # (name, size, node) of file entries sent
         for kind, raw in objects:
             if kind == TREE:
                 try:
                     wanted.update(oid for _k, oid in references(kind, raw))
+                    files.extend((n, e.size, e.ref) for n, e in TreeNode.decode(raw).entries
+                                 if e.kind == K_FILE and e.ref is not None)
                 except ValueError as exc:
                     raise InvalidInput(f"a tree node does not decode: {exc}") from None
-        lacking = [oid for oid in wanted - batch if not self._indexer.has(oid)]
+        lacking = [oid for oid in wanted - batch.keys() if not self._indexer.has(oid)]
         if lacking:
             raise InvalidInput(f"a tree node refers to {len(lacking)} object(s) the store "
                                f"lacks, e.g. {lacking[0].hex()}")
@@ -778,6 +782,18 @@ class LocalStore(Store):
         for raw in sent.values():
             check_tree_shape(TreeNode.decode(raw), lambda oid: TreeNode.decode(
                 sent[oid] if oid in sent else self.get_object(oid)))
+        # A file entry's size is its node's: readers (the web view) trust the node.
+        for name, size, ref in files:
+            given = batch.get(ref)
+            if given is not None and given[0] != FILENODE or (
+                    given is None and self.object_kind(ref) != FILENODE):
+                raise InvalidInput(f"tree entry {name!r} names {ref.hex()}, not a file node")
+            raw = given[1] if given is not None else self.get_object(ref)
+            try:
+                node = FileNode.decode(raw)
+            except ValueError as exc:
+                raise InvalidInput(f"file node {ref.hex()} does not decode: {exc}") from None
+            check_entry_size(name.decode("utf-8", "surrogateescape"), size, node)
 
     def check_refs_reachable(self, volume: str, changesets: Sequence[ChangeSet],
                              objects: Sequence[tuple[int, bytes]], *,
@@ -823,6 +839,7 @@ class LocalStore(Store):
         """Check the change sets' references exist; returns the blocks their files name."""
         want: dict[bytes, int] = {}
         named: set[bytes] = set()
+        claims: dict[bytes, list[tuple[str, int]]] = {}  # file node -> (path, size) naming it
         for cs in changesets:
             if not isinstance(cs.changes, dict):
                 raise InvalidInput("changes must map paths to entries")
@@ -831,6 +848,7 @@ class LocalStore(Store):
                     continue  # deletions, inline data; non-entries are refused by rebase
                 if e.kind == K_FILE:
                     want[e.ref] = FILENODE
+                    claims.setdefault(e.ref, []).append((path, e.size))
                 elif e.kind == K_DIR:
                     want[e.ref] = TREE
                 else:
@@ -844,9 +862,12 @@ class LocalStore(Store):
             if have != kind:
                 raise InvalidInput(f"object {oid.hex()} is a {KIND_NAMES.get(have)}, "
                                    f"not a {KIND_NAMES[kind]}")
-            if kind == FILENODE:  # and every block the file node names
+            if kind == FILENODE:  # its size is the entry's, and every block it names exists
                 raw = (nodes or {}).get(oid) or self.get_object(oid)
-                for b in set(FileNode.decode(raw).blocks):
+                node = FileNode.decode(raw)
+                for path, size in claims.get(oid, ()):
+                    check_entry_size(path, size, node)
+                for b in set(node.blocks):
                     if b != ZERO_ID and b not in given and not self._indexer.has(b):
                         raise InvalidInput(f"file node {oid.hex()} names block {b.hex()} "
                                            "the store lacks")

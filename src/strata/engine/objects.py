@@ -313,6 +313,17 @@ def check_entry(e: Entry) -> None:
         raise InvalidInput("an xattr name is empty, repeated, too long or contains NUL")
 
 
+def check_entry_size(path: str, size: int, node: FileNode) -> None:
+    """A file entry says the size its file node holds (readers trust the node's).
+
+    An entry claiming 1,000 bytes over a 256 MiB node once passed the web
+    view's 64 MiB limit for SQLite files and had all 256 MiB copied.
+    """
+    if size != node.size:
+        raise InvalidInput(f"entry for {path!r} says {size} bytes, its file node holds "
+                           f"{node.size}")
+
+
 _U32 = 2**32 - 1
 _U64 = 2**64 - 1
 _I63 = 2**63 - 1

@@ -15,6 +15,18 @@ origin: file contents come as JSON text (the script shows them with
 `textContent`), and `/ui/raw` sends bytes only as a download, or as a raster
 image, each with `sandbox` and `nosniff`.
 
+Budgets, as the API's. A file's size is its file node's (an entry's own size
+is a claim: one claiming 1,000 bytes over a 256 MiB node once reached the
+SQLite view's temporary file whole). Bytes being answered are held in the
+server's answer budget until written (`/ui/raw` a block at a time; the text,
+SQLite and diff views for their answer's size), and a write that makes no
+progress for WRITE_TIMEOUT ends the answer. Work goes to the executor in
+steps (a file is hashed HASH_STEP bytes a trip), each taking one of its
+volume's VOLUME_SHARE seats, so one volume's readers cannot take every
+thread; before each step the client must still be there, so a request whose
+client left stops (40 hashes of a 4 GiB file used to run on after their
+clients had gone, and another volume waited 20 s for a thread).
+
 Names are bytes. A path travels in a URL as its bytes percent-encoded (a name
 that is not UTF-8 keeps its raw bytes), and the server sends each entry's
 encoded form (`q`) beside a printable one (`name`), so the script never has
@@ -23,6 +35,7 @@ to decode a path.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import difflib
@@ -34,9 +47,9 @@ import sqlite3
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import blake3
 from aiohttp import web
@@ -61,7 +74,15 @@ SQLITE_LIMIT = 64 * 1024 * 1024
 SQLITE_ROWS = 100
 SQLITE_TABLES = 50
 SQLITE_STEPS = 2_000_000  # VM steps per query before it is stopped
+SQLITE_ANSWER = 4 * 1024 * 1024  # characters of cells in one SQLite answer, about
 SNIFF = 8192
+VOLUME_SHARE = 4      # executor threads one volume's view requests hold at once (of 32)
+HASH_STEP = 16 * 1024 * 1024  # bytes hashed per trip to the executor
+RAW_STEP = 512 * 1024  # bytes of /ui/raw read per trip (or one block, if larger)
+WRITE_TIMEOUT = 30.0  # seconds a write of an answer may wait for the client to read
+TEXT_ANSWER = 6       # a text answer's bytes per byte of the file, at most (JSON escapes)
+ZEROS = memoryview(bytes(1024 * 1024))  # holes are read as slices of this, never allocated
+T = TypeVar("T")
 
 PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
             "connect-src 'self'; base-uri 'none'; form-action 'none'; "
@@ -139,6 +160,8 @@ class View:
         self.scope: Scope = scope
         self.store: LocalStore = self.state.need_store()
         self.q = _query(request)
+        self.shares: Shares = request.app[SHARES_KEY]
+        self.share = scope.volume or ""  # whose seats run() takes; volume() narrows it
 
     def arg(self, name: str, default: str | None = None) -> str:
         v = self.q.get(name, default)
@@ -149,6 +172,7 @@ class View:
     def volume(self) -> str:
         v = check_volume(self.arg("v"))
         self.scope.check_volume(v)  # the same refusal for a volume that does not exist
+        self.share = v
         return v
 
     def branch(self, volume: str) -> str:
@@ -177,11 +201,78 @@ class View:
             heads = {b: h for b, h in heads.items() if b == self.scope.branch}
         return heads
 
-    async def run(self, fn: Any, *args: Any) -> Any:
-        return await self.state.run(fn, *args)
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn` in the executor, in one of this volume's seats, if the client is still there."""
+        async with self.shares.seat(self.share):
+            if gone(self.request):
+                raise ClientGone()
+            result: T = await self.state.run(fn, *args)
+            return result
+
+    def answers(self, n: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """Hold `n` bytes of the server's answer budget (the API's) until the block ends."""
+        hold: contextlib.AbstractAsyncContextManager[None] = self.state.answers.hold(n)
+        return hold
+
+
+class ClientGone(web.HTTPClientError):
+    """The client hung up: the work for it stops, and nobody reads this answer."""
+
+    status_code = 499
+
+
+def gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+class Shares:
+    """Seats in the executor, VOLUME_SHARE per volume (event loop only).
+
+    A volume's view requests wait here, not in the executor's queue, so
+    another volume's request finds a thread free.
+    """
+
+    def __init__(self, per_volume: int = VOLUME_SHARE) -> None:
+        self.per_volume = per_volume
+        self._seats: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
+
+    @contextlib.asynccontextmanager
+    async def seat(self, volume: str) -> AsyncIterator[None]:
+        sem, users = self._seats.setdefault(volume, (asyncio.Semaphore(self.per_volume), [0]))
+        users[0] += 1
+        try:
+            async with sem:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._seats[volume]
+
+
+async def _sent(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+    """Write an answer now, so that budget held around this call covers its bytes."""
+    await resp.prepare(request)
+    await resp.write_eof()
+    return resp
+
+
+async def _write(request: web.Request, resp: web.StreamResponse, data: bytes | memoryview
+                 ) -> None:
+    """Write, or end the connection if the client takes nothing for WRITE_TIMEOUT."""
+    try:
+        async with asyncio.timeout(WRITE_TIMEOUT):
+            await resp.write(data)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        raise ClientGone() from None
+    except ConnectionError:  # the client left mid-answer (reset, or lost while draining)
+        raise ClientGone() from None
 
 
 STATE_KEY: web.AppKey[Any] = web.AppKey("ui_state")
+SHARES_KEY = web.AppKey("ui_shares", Shares)
 
 
 def _json(value: Any, status: int = 200) -> web.Response:
@@ -380,15 +471,39 @@ async def api_tree(request: web.Request) -> web.Response:
     return _json(await view.run(run))
 
 
-def _read(store: Store, e: Entry, limit: int | None = None) -> Iterator[bytes]:
-    """A file's bytes, piece by piece (at most `limit` bytes)."""
+def _node(store: Store, e: Entry) -> FileNode | None:
+    """A file's node, None for content kept in the entry."""
+    return FileNode.decode(store.get_object(e.ref)) if e.ref is not None else None
+
+
+def _size(e: Entry, node: FileNode | None) -> int:
+    """A file's size: its node's, never the entry's claim.
+
+    Publish refuses an entry whose size differs from its node's, but a store
+    may hold entries from before that check.
+    """
+    return node.size if node is not None else len(e.data or b"")
+
+
+def _read(store: Store, e: Entry, limit: int | None = None, node: FileNode | None = None
+          ) -> Iterator[bytes | memoryview]:
+    """A file's bytes, piece by piece (at most `limit` bytes); holes cost no memory."""
     if e.ref is None:
         yield (e.data or b"")[:limit]
         return
-    node = FileNode.decode(store.get_object(e.ref))
+    if node is None:
+        node = FileNode.decode(store.get_object(e.ref))
     size = node.size if limit is None else min(node.size, limit)
+    if size <= 0:
+        return
     for length, data in node.pieces(0, size, store.get_object):
-        yield bytes(length) if data is None else data
+        if data is not None:
+            yield data
+            continue
+        while length > 0:
+            n = min(length, len(ZEROS))
+            yield ZEROS[:n]
+            length -= n
 
 
 def sniff(head: bytes) -> str:
@@ -410,11 +525,11 @@ def sniff(head: bytes) -> str:
     return "text"
 
 
-async def api_file(request: web.Request) -> web.Response:
+async def api_file(request: web.Request) -> web.StreamResponse:
     view = View(request)
     volume = view.volume()
 
-    def run() -> dict[str, Any]:
+    def start() -> tuple[dict[str, Any], Entry, FileNode | None, str]:
         sid = view.snapshot(volume)
         path = view.path()
         store = view.store
@@ -423,39 +538,67 @@ async def api_file(request: web.Request) -> web.Response:
         if e.kind == K_SYMLINK:
             out["view"] = "symlink"
             out["target"] = printable(os.fsdecode(e.data or b""))
-            return out
-        if e.kind == K_DIR:
+        elif e.kind == K_DIR:
             out["view"] = "dir"
-            return out
-        if e.kind != K_FILE:
+        elif e.kind != K_FILE:
             out["view"] = "special"
-            return out
-        head = b"".join(_read(store, e, SNIFF))
-        kind = sniff(head)
-        h = blake3.blake3()
-        for piece in _read(store, e):
-            h.update(piece)
-        out["blake3"] = h.hexdigest()
-        if kind.startswith("image/"):
-            out["view"] = "image"
-            out["ctype"] = kind
-        elif kind == "sqlite":
-            out["view"] = "sqlite"
-            out["tables"] = _sqlite_tables(store, e)
-        elif kind == "text":
-            data = b"".join(_read(store, e, TEXT_LIMIT))
-            text = data.decode("utf-8", "replace")
-            lines = text.split("\n")
+        if "view" in out:
+            return out, e, None, ""
+        node = _node(store, e)
+        out["size"] = _size(e, node)
+        return out, e, node, sniff(b"".join(_read(store, e, SNIFF, node)))
+
+    out, e, node, kind = await view.run(start)
+    if not kind:
+        return _json(out)
+    out["blake3"] = await _hash(view, e, node)
+    size: int = out["size"]
+    if kind.startswith("image/"):
+        out["view"] = "image"
+        out["ctype"] = kind
+    elif kind == "sqlite":
+        out["view"] = "sqlite"
+        if size > SQLITE_LIMIT:
+            out["tables"] = {"error": f"database over {SQLITE_LIMIT >> 20} MiB: not opened"}
+        else:
+            async with view.answers(SQLITE_ANSWER):
+                out["tables"] = await view.run(_sqlite_tables, view.store, e, node)
+                return await _sent(request, _json(out))
+    elif kind == "text":
+        def text() -> None:
+            data = b"".join(_read(view.store, e, TEXT_LIMIT, node))
+            lines = data.decode("utf-8", "replace").split("\n")
             if lines and lines[-1] == "":
                 lines.pop()
             out["view"] = "text"
             out["lines"] = lines[:LINE_LIMIT]
-            out["truncated"] = e.size > TEXT_LIMIT or len(lines) > LINE_LIMIT
-        else:
-            out["view"] = "binary"
-        return out
+            out["truncated"] = size > TEXT_LIMIT or len(lines) > LINE_LIMIT
 
-    return _json(await view.run(run))
+        async with view.answers(min(size, TEXT_LIMIT) * TEXT_ANSWER):
+            await view.run(text)
+            return await _sent(request, _json(out))
+    else:
+        out["view"] = "binary"
+    return _json(out)
+
+
+async def _hash(view: View, e: Entry, node: FileNode | None) -> str:
+    """A file's BLAKE3, HASH_STEP bytes per trip to the executor (so it stops with its client)."""
+    h = blake3.blake3()
+    pieces = _read(view.store, e, node=node)
+
+    def step() -> bool:
+        n = 0
+        for piece in pieces:
+            h.update(piece)
+            n += len(piece)
+            if n >= HASH_STEP:
+                return False
+        return True
+
+    while not await view.run(step):
+        pass
+    return str(h.hexdigest())
 
 
 def _cell(v: Any) -> Any:
@@ -466,19 +609,21 @@ def _cell(v: Any) -> Any:
     return v
 
 
-def _sqlite_tables(store: Store, e: Entry) -> dict[str, Any]:
+def _sqlite_tables(store: Store, e: Entry, node: FileNode | None) -> dict[str, Any]:
     """The tables of a SQLite file: columns and the first rows, read-only, bounded.
 
     The bytes go to a private temporary file opened read-only and immutable
     (no journal, no lock, nothing written); every query is stopped after
-    SQLITE_STEPS steps, so a hostile file cannot keep a thread busy.
+    SQLITE_STEPS steps, so a hostile file cannot keep a thread busy, and the
+    cells shown stop at about SQLITE_ANSWER characters (columns computed on
+    read could otherwise make far more than the file holds).
     """
-    if e.size > SQLITE_LIMIT:
+    if _size(e, node) > SQLITE_LIMIT:  # the node's size: the entry's is only a claim
         return {"error": f"database over {SQLITE_LIMIT >> 20} MiB: not opened"}
     fd, tmp = tempfile.mkstemp(prefix="strata-ui-", suffix=".db")
     try:
         with os.fdopen(fd, "wb") as f:
-            for piece in _read(store, e):
+            for piece in _read(store, e, node=node):
                 f.write(piece)
         uri = "file:" + urllib.parse.quote(tmp) + "?mode=ro&immutable=1"
         conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
@@ -497,17 +642,24 @@ def _sqlite_tables(store: Store, e: Entry) -> dict[str, Any]:
                 "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name LIMIT ?",
                 (SQLITE_TABLES,))]
             tables = []
+            left = SQLITE_ANSWER
             for name in names:
                 steps[0] = 0
                 ident = '"' + str(name).replace('"', '""') + '"'
                 try:
                     cur = conn.execute(f"SELECT * FROM {ident} LIMIT {SQLITE_ROWS}")
                     cols = [d[0] for d in cur.description or ()]
-                    rows = [[_cell(v) for v in row] for row in cur.fetchall()]
+                    rows = []
+                    for row in cur:
+                        cells = [_cell(v) for v in row]
+                        left -= sum(len(c) if isinstance(c, str) else 16 for c in cells)
+                        if left < 0:
+                            break
+                        rows.append(cells)
                     steps[0] = 0
                     count = conn.execute(f"SELECT count(*) FROM {ident}").fetchone()[0]
                     tables.append({"name": str(name), "columns": cols, "rows": rows,
-                                   "count": count})
+                                   "count": count, "cut": left < 0})
                 except sqlite3.Error as exc:
                     tables.append({"name": str(name), "error": str(exc)})
             return {"tables": tables, "limit": SQLITE_ROWS}
@@ -524,15 +676,16 @@ async def raw(request: web.Request) -> web.StreamResponse:
     view = View(request)
     volume = view.volume()
 
-    def run() -> tuple[Entry, str, str]:
+    def run() -> tuple[Entry, FileNode | None, str, str]:
         sid = view.snapshot(volume)
         path = view.path()
         e = _resolve(view.store, sid, path)
         if e.kind != K_FILE:
             raise InvalidInput(f"{printable(path)!r} is not a regular file")
-        return e, sniff(b"".join(_read(view.store, e, SNIFF))), path
+        node = _node(view.store, e)
+        return e, node, sniff(b"".join(_read(view.store, e, SNIFF, node))), path
 
-    e, kind, path = await view.run(run)
+    e, node, kind, path = await view.run(run)
     headers = {**_headers(RAW_CSP), "Cache-Control": "private, max-age=3600",
                "Cross-Origin-Resource-Policy": "same-origin"}
     if kind.startswith("image/"):
@@ -545,15 +698,31 @@ async def raw(request: web.Request) -> web.StreamResponse:
         headers["Content-Disposition"] = (f"attachment; filename=\"{ascii_name}\"; "
                                           f"filename*=UTF-8''{urllib.parse.quote(name)}")
     resp = web.StreamResponse(headers={**headers, "Content-Type": ctype})
-    resp.content_length = e.size
+    resp.content_length = _size(e, node)
     await resp.prepare(request)
-    pieces = _read(view.store, e)
+    pieces = _read(view.store, e, node=node)
+    # A trip reads RAW_STEP bytes, or one block where blocks are larger: those are held
+    # in the answer budget until written (16 pieces a trip held 256 MiB of 16 MiB blocks).
+    step = max(node.block_size if node is not None else 0, RAW_STEP)
+
+    def batch() -> list[bytes | memoryview]:
+        out: list[bytes | memoryview] = []
+        n = 0
+        for piece in pieces:
+            out.append(piece)
+            n += len(piece)
+            if n >= RAW_STEP:
+                break
+        return out
+
     while True:
-        batch = await view.run(lambda: list(itertools.islice(pieces, 16)))
-        if not batch:
-            break
-        for piece in batch:
-            await resp.write(piece)
+        async with view.answers(step):
+            got = await view.run(batch)
+            if not got:
+                break
+            for piece in got:
+                await _write(request, resp, piece)
+            del got
     await resp.write_eof()
     return resp
 
@@ -612,7 +781,7 @@ def _side(store: Store, sid: str, path: str) -> tuple[Entry | None, bytes | None
     return e, b"".join(_read(store, e, DIFF_FILE_LIMIT + 1))
 
 
-async def api_filediff(request: web.Request) -> web.Response:
+async def api_filediff(request: web.Request) -> web.StreamResponse:
     """One path's change between snapshots a and b: a unified diff for text."""
     view = View(request)
     volume = view.volume()
@@ -642,7 +811,9 @@ async def api_filediff(request: web.Request) -> web.Response:
                                                 f"b/{printable(path)}", lineterm=""))
         return out
 
-    return _json(await view.run(run))
+    # Both sides (up to DIFF_FILE_LIMIT each) and the diff: held as the API holds answers.
+    async with view.answers(4 * DIFF_FILE_LIMIT):
+        return await _sent(request, _json(await view.run(run)))
 
 
 # -- rejected change sets ---------------------------------------------------------------------
@@ -719,6 +890,7 @@ async def ui_events(request: web.Request) -> web.StreamResponse:
 
 def register(app: web.Application, state: Any) -> None:
     app[STATE_KEY] = state
+    app[SHARES_KEY] = Shares()
     r = app.router
     r.add_get("/ui", _to_root)
     r.add_get("/ui/", page)

@@ -52,11 +52,14 @@ day: deps
 
 # Longer randomized checks than `make test` runs: a 600-step isolation history (steps,
 # forks, SIGKILLed runners and servers), the store state machine with more examples,
-# and schemathesis with 1000 examples per API operation and mode (20,000 publish bodies).
+# schemathesis with 1000 examples per API operation and mode (20,000 publish bodies), and
+# 60 s of gzip, slow and oversized traffic beside legitimate clients (each call under 1 s,
+# the server under 512 MiB over idle).
 fuzz: deps
 	STRATA_HISTORY_STEPS=600 $(BIN)/pytest -q -s tests/run/test_history.py
 	STRATA_STATEFUL_EXAMPLES=1000 $(BIN)/pytest -q tests/test_stateful.py
 	STRATA_FUZZ_EXAMPLES=1000 STRATA_FUZZ_STATEFUL=1000 $(BIN)/pytest -q tests/server/test_fuzz_api.py
+	STRATA_FUZZ_TRAFFIC=60 $(BIN)/pytest -q -s tests/server/test_fuzz_traffic.py
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

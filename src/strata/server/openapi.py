@@ -15,7 +15,11 @@ def _err(*codes: int) -> dict[str, Any]:
     text = {400: "invalid input", 401: "missing or invalid token", 403: "not allowed",
             404: "not found", 409: "conflict or already exists", 413: "body too large",
             416: "range not satisfiable", 423: "branch leased by another holder: retry later",
-            503: "store changing owner or busy: retry"}
+            503: "store changing owner or busy: retry",
+            408: "request body stalled (nothing for 10 s)",
+            415: "request has a Content-Encoding: bodies are taken uncompressed"}
+    if 413 in codes:  # every operation that takes a body
+        codes = (*codes, 408, 415)
     return {str(c): {"description": text[c], "content": {"application/json": {"schema": ERROR}}}
             for c in codes}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from strata.cli.common import open_store, parse_ref, print_json
+from strata.cli.common import REF_HELP, open_store, parse_ref, print_json
 from strata.engine.errors import InvalidInput
 from strata.engine.names import check_branch
 
@@ -15,7 +15,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     bsub = br.add_subparsers(dest="branch_command", metavar="ACTION", required=True)
 
     p = bsub.add_parser("list", parents=[common], help="list a volume's branches")
-    p.add_argument("volume", metavar="VOLUME")
+    p.add_argument("volume", metavar="VOLUME",
+                   help="the volume whose branches to list")
     p.add_argument("--json", action="store_true", help='[{"name": ..., "head": ...}]')
     p.set_defaults(func=cmd_list)
 
@@ -29,8 +30,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("fork", parents=[common],
                        help="new branch at REF's snapshot, in constant time; "
                             "prints its head")
-    p.add_argument("ref", metavar="REF")
-    p.add_argument("new_branch", metavar="NEWBRANCH")
+    p.add_argument("ref", metavar="REF",
+                   help="the snapshot to fork from: " + REF_HELP)
+    p.add_argument("new_branch", metavar="NEWBRANCH",
+                   help="the name of the new branch")
     p.add_argument("--empty", action="store_true", help="start the branch empty instead")
     p.set_defaults(func=cmd_fork)
 

@@ -180,6 +180,10 @@ class Ref:
         return self.branch
 
 
+REF_HELP = ("VOLUME, VOLUME@BRANCH (the branch defaults to live) or VOLUME#SNAPSHOT "
+            "(a snapshot id or a unique prefix of 8+ hex digits)")
+
+
 def parse_ref(text: str) -> Ref:
     if "#" in text:
         vol, _, snap = text.partition("#")

@@ -48,11 +48,13 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     pol = sub.add_parser("policy", parents=[common], help="retention policies")
     psub = pol.add_subparsers(dest="policy_command", metavar="ACTION", required=True)
     p = psub.add_parser("show", parents=[common], help="a volume's (or branch's) policy")
-    p.add_argument("ref", metavar="VOLUME[@BRANCH]")
+    p.add_argument("ref", metavar="VOLUME[@BRANCH]",
+                   help="a volume (its default policy) or one of its branches")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_policy)
     p = psub.add_parser("set", parents=[common], help="set a volume's (or branch's) policy")
-    p.add_argument("ref", metavar="VOLUME[@BRANCH]")
+    p.add_argument("ref", metavar="VOLUME[@BRANCH]",
+                   help="a volume (its default policy) or one of its branches")
     p.add_argument("--keep-last", type=int, default=None, metavar="N",
                    help="keep each branch's last N snapshots")
     p.add_argument("--keep-newer", type=parse_duration, default=None, metavar="DURATION",

@@ -30,8 +30,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                        description="Mount REF at DIR. With several REFs (or --multi) each "
                                    "volume appears as DIR/NAME; a REF may be written "
                                    "NAME=REF to choose NAME, and end in :ro.")
-    p.add_argument("refs", metavar="REF", nargs="+")
-    p.add_argument("dir", metavar="DIR")
+    p.add_argument("refs", metavar="REF", nargs="+",
+                   help="what to mount: VOLUME[@BRANCH|#SNAPSHOT][:ro], or NAME=REF for a "
+                        "subdirectory of its own")
+    p.add_argument("dir", metavar="DIR", help="the mount point (made if missing; must be empty)")
     p.add_argument("--ro", action="store_true", help="read-only mount")
     p.add_argument("--privileged", action="store_true",
                    help="let setuid/setgid bits and device nodes in the volume take effect "
@@ -44,7 +46,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_mount, exit_at_once=True)
 
     c = sub.add_parser("commit", parents=[common], help="publish a mount's changes")
-    c.add_argument("dir", metavar="DIR")
+    c.add_argument("dir", metavar="DIR", help="a mount point of `strata mount`")
     c.add_argument("-m", "--message", default="")
     c.add_argument("--volume", action="append", dest="volumes", metavar="NAME",
                    help="commit only this volume of a multi-volume mount (repeatable); "
@@ -57,12 +59,12 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     c.set_defaults(func=cmd_commit)
 
     s = sub.add_parser("status", parents=[common], help="paths a mount changed since its pin")
-    s.add_argument("dir", metavar="DIR")
+    s.add_argument("dir", metavar="DIR", help="a mount point of `strata mount`")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
 
     u = sub.add_parser("unmount", parents=[common], help="unmount (refuses to drop changes)")
-    u.add_argument("dir", metavar="DIR")
+    u.add_argument("dir", metavar="DIR", help="a mount point of `strata mount`")
     u.add_argument("--discard", action="store_true", help="drop uncommitted changes")
     u.set_defaults(func=cmd_unmount)
 

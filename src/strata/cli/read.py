@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from strata.cli.common import (
+    REF_HELP,
     entry_json,
     fmt_time,
     long_line,
@@ -22,14 +23,16 @@ from strata.engine.errors import InvalidInput
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("log", parents=[common], help="history of REF, newest first")
-    p.add_argument("ref", metavar="REF")
+    p.add_argument("ref", metavar="REF",
+                   help=REF_HELP)
     p.add_argument("-n", dest="limit", type=int, metavar="N", help="show at most N snapshots")
     p.add_argument("--json", action="store_true",
                    help='[{"id", "parent", "time", "message"}]')
     p.set_defaults(func=cmd_log)
 
     p = sub.add_parser("ls", parents=[common], help="list a directory")
-    p.add_argument("ref", metavar="REF")
+    p.add_argument("ref", metavar="REF",
+                   help=REF_HELP)
     p.add_argument("path", metavar="PATH", nargs="?", default="",
                    help="volume-relative path (default: the root)")
     p.add_argument("-l", dest="long", action="store_true", help="long listing")
@@ -37,19 +40,25 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("cat", parents=[common], help="write a file's content to stdout")
-    p.add_argument("ref", metavar="REF")
-    p.add_argument("path", metavar="PATH")
+    p.add_argument("ref", metavar="REF",
+                   help=REF_HELP)
+    p.add_argument("path", metavar="PATH",
+                   help="a path in the snapshot, relative to its root")
     p.set_defaults(func=cmd_cat)
 
     p = sub.add_parser("stat", parents=[common], help="show one entry's metadata")
-    p.add_argument("ref", metavar="REF")
-    p.add_argument("path", metavar="PATH")
+    p.add_argument("ref", metavar="REF",
+                   help=REF_HELP)
+    p.add_argument("path", metavar="PATH",
+                   help="a path in the snapshot, relative to its root")
     p.add_argument("--json", action="store_true", help="print the entry as JSON")
     p.set_defaults(func=cmd_stat)
 
     p = sub.add_parser("diff", parents=[common], help="paths that differ between two refs")
-    p.add_argument("ref_a", metavar="REF_A")
-    p.add_argument("ref_b", metavar="REF_B")
+    p.add_argument("ref_a", metavar="REF_A",
+                   help="the older side of the comparison (a REF)")
+    p.add_argument("ref_b", metavar="REF_B",
+                   help="the newer side (a REF)")
     p.add_argument("--json", action="store_true",
                    help='[{"path", "change"}], change being added|modified|deleted')
     p.set_defaults(func=cmd_diff)

@@ -48,7 +48,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     tsub = t.add_subparsers(dest="token_command", metavar="ACTION", required=True)
     c = tsub.add_parser("create", parents=[common],
                         help="create a token for VOLUME[@BRANCH] (printed once)")
-    c.add_argument("scope", metavar="VOLUME[@BRANCH]")
+    c.add_argument("scope", metavar="VOLUME[@BRANCH]",
+                   help="what the token may reach: a volume, or one branch of it")
     mode = c.add_mutually_exclusive_group(required=True)
     mode.add_argument("--ro", action="store_true", help="read-only")
     mode.add_argument("--rw", action="store_true", help="read-write")

@@ -14,7 +14,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
     p = vsub.add_parser("create", parents=[common],
                         help="create a volume whose branch 'live' is empty")
-    p.add_argument("name", metavar="NAME")
+    p.add_argument("name", metavar="NAME",
+                   help="the name of the volume")
     p.set_defaults(func=cmd_create)
 
     p = vsub.add_parser("list", parents=[common], help="list volumes")
@@ -22,7 +23,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_list)
 
     p = vsub.add_parser("delete", parents=[common], help="delete a volume and its branches")
-    p.add_argument("name", metavar="NAME")
+    p.add_argument("name", metavar="NAME",
+                   help="the name of the volume")
     p.add_argument("--yes", action="store_true",
                    help="do not ask (on a terminal, delete asks first)")
     p.set_defaults(func=cmd_delete)

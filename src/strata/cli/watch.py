@@ -30,7 +30,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("ui", parents=[common],
                        help="print (or open) the web view's URL with a short-lived "
                             "read-only token")
-    p.add_argument("volume", metavar="VOLUME")
+    p.add_argument("volume", metavar="VOLUME",
+                   help="a volume to follow")
     p.add_argument("--url", metavar="URL",
                    help="the server's address for the browser, http://HOST:PORT "
                         "(default: the server's first TCP listener)")

@@ -23,14 +23,16 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("put", parents=[common],
                        help="write one file (from stdin or --from) and publish; prints the id")
     p.add_argument("ref", metavar="REF")
-    p.add_argument("path", metavar="PATH")
+    p.add_argument("path", metavar="PATH",
+                   help="the path in the volume, relative to its root")
     p.add_argument("--from", dest="source", metavar="FILE", help="read the content from FILE")
     _base_and_message(p)
     p.set_defaults(func=cmd_put)
 
     p = sub.add_parser("rm", parents=[common], help="remove one path and publish; prints the id")
     p.add_argument("ref", metavar="REF")
-    p.add_argument("path", metavar="PATH")
+    p.add_argument("path", metavar="PATH",
+                   help="the path in the volume, relative to its root")
     p.add_argument("-r", dest="recursive", action="store_true",
                    help="remove a directory and everything in it")
     _base_and_message(p)
@@ -39,14 +41,14 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("import", parents=[common],
                        help="make a branch equal to a local directory; prints the id")
     p.add_argument("ref", metavar="REF")
-    p.add_argument("dir", metavar="DIR")
+    p.add_argument("dir", metavar="DIR", help="the local directory whose tree the branch takes")
     _base_and_message(p)
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("export", parents=[common],
                        help="write a snapshot into an empty directory, metadata and all")
     p.add_argument("ref", metavar="REF")
-    p.add_argument("dir", metavar="DIR")
+    p.add_argument("dir", metavar="DIR", help="an empty or absent directory to write into")
     p.add_argument("--privileged", action="store_true",
                    help="also restore setuid/setgid bits, device nodes and security.* / "
                         "trusted.* xattrs such as file capabilities (a snapshot is not "

@@ -27,6 +27,7 @@ from strata.engine import tier as tiermod
 from strata.engine.bucket import Bucket
 from strata.engine.local import LocalStore, init_store
 from strata.engine.seal import BucketKey
+from strata.engine.seal import KEY_FILE, read_key_file
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
 
@@ -162,10 +163,11 @@ def bench_restore(root: str, url: str, files: int, big: int, name: str) -> tuple
     _build(src, f"{url}/{name}", files, big)
     with LocalStore(src) as s:
         objects = s.index.count_objects()
+    key = read_key_file(os.path.join(src, KEY_FILE))  # kept apart, as a user would
     shutil.rmtree(src)
     dst = os.path.join(root, f"dst-{name}")
     t0 = time.perf_counter()
-    restore(f"{url}/{name}", dst)
+    restore(f"{url}/{name}", dst, key=key)
     with LocalStore(dst) as s:
         names = Transaction(s, "data").listdir("")
         elapsed = time.perf_counter() - t0  # not the close (it waits for a checkpoint)
@@ -287,7 +289,7 @@ def bench_takeover(root: str, url: str) -> float:
     # Death: the process stops without closing (its lock dies with it in real life).
     t0 = time.perf_counter()
     b = os.path.join(root, "owner-b")
-    restore(url + "/takeover", b, sync="bucket")
+    restore(url + "/takeover", b, sync="bucket", key=read_key_file(os.path.join(a, KEY_FILE)))
     with LocalStore(b) as nb:
         tx = Transaction(nb, "v")
         tx.write("after", b"new owner")

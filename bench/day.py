@@ -786,9 +786,12 @@ class StrataWorkspace(Rung):
     def evict(self) -> None:
         """Everything is in the bucket (--sync bucket): a new machine restores, cold."""
         self.close()
+        # The bucket key, kept apart from the lost machine's disk as a user would.
+        key = os.path.join(self.dir, "bucket.key")
+        shutil.copy2(os.path.join(self.env["STRATA_STORE"], "bucket.key"), key)
         store = os.path.join(self.dir, "store-cold")
         self.env["STRATA_STORE"] = store
-        self.cli("restore", "--bucket", self.url, "--store", store)
+        self.cli("restore", "--bucket", self.url, "--store", store, "--key-file", key)
 
     def detach(self) -> None:
         for mnt in [*self.forks, self.mnt]:

@@ -63,10 +63,12 @@ def test_kills_during_gc_lose_nothing_kept(tmp_path: Path, bucket: bool) -> None
         _check(store)
     assert acks > 10, (seed, acks)
     if bucket:
+        from strata.engine.seal import KEY_FILE, read_key_file
         with LocalStore(str(store)) as s:
             want = Transaction(s, "v").read("manifest")
+        key = read_key_file(str(store / KEY_FILE))  # kept apart from the disk, as a user would
         shutil.rmtree(store)  # the disk is lost: only the bucket is left
-        restore(url or "", str(tmp_path / "r"))
+        restore(url or "", str(tmp_path / "r"), key=key)
         _check(tmp_path / "r")
         with LocalStore(str(tmp_path / "r")) as s:
             assert Transaction(s, "v").read("manifest") == want

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 
 from ws_harness import WsEnv, tiny_root
 
@@ -25,8 +26,14 @@ def test_a_fenced_attach_is_listed_and_its_detach_fails_naming_the_loss(wsenv: W
               "echo from-run > /from-run")
     (d / "after-run.txt").write_text("hello\n")
     subprocess.run(["sync"], check=False)
-    listed = json.loads(wsenv.run("workspace", "list", "--json").stdout)
-    assert [r["fenced"] for r in listed if r["workspace"] == "box@live"] == [True]
+    def fenced() -> list[bool]:
+        listed = json.loads(wsenv.run("workspace", "list", "--json").stdout)
+        return [r["fenced"] for r in listed if r["workspace"] == "box@live"]
+
+    deadline = time.monotonic() + 10  # the lease renewal notices within a quarter TTL
+    while fenced() != [True] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert fenced() == [True]
     p = wsenv.run("workspace", "detach", str(d), rc=None)
     wsenv.attached.remove(d)
     assert p.returncode != 0 and "fenced" in p.stderr and "dropped" in p.stderr, p.stderr

@@ -172,9 +172,9 @@ class StoreLock:
                     owner = self.owner()
                     os.close(self.fd)
                     raise Unavailable(
-                        f"store {path} is in use by {owner}: `strata serve --stop` stops "
-                        "it, `strata serve --takeover` replaces it without failing a "
-                        "request") from None
+                        f"store {path} is in use by {owner} (waited {timeout:g}s): `strata "
+                        "serve --stop` stops it, `strata serve --takeover` replaces it "
+                        "without failing a request") from None
                 time.sleep(0.02)
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)

@@ -175,6 +175,7 @@ class Daemon:
         layout = read_layout(self.store, head)
         self.device = Device(self.store, a.volume, a.branch, head, layout,
                              lease=self.lease or None, scratch=bool(a.snapshot))
+        self.device.on_fenced = self.note_fenced
         root = self.store.snapshot(head).root
         fresh = next(iter(written_extents(Trees(self.store), root)), None) is None
         if fresh and a.snapshot:

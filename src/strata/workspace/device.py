@@ -24,7 +24,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from strata.engine.errors import Forbidden, StrataError
@@ -133,6 +133,7 @@ class Device:
         self._written: set[int] | None = None    # extents the head holds, once listed
         self.fenced: str | None = None           # why writes are refused, once fenced
         self.refused_bytes = 0                   # writes refused since (detach reports them)
+        self.on_fenced: Callable[[], None] | None = None  # told once, when fenced
         # While the filesystem is being made or mounted (mkfs, journal replay), the
         # kernel's flushes are answered without a publish; the attach publishes once
         # after (see `_mount_fs` and docs/workspaces.md, "Attach, write, flush").
@@ -520,6 +521,8 @@ class Device:
             head = self.store.publish([cs], inline + nodes)[0]
         except Forbidden as exc:
             self.fenced = f"this host no longer holds the workspace's lease: {exc}"
+            if self.on_fenced is not None:
+                self.on_fenced()  # recorded before the failing flush returns
             raise DeviceError(self.fenced) from exc
         with self._lock:
             self._has_disk_dir = self._has_disk_dir or bool(by_extent)

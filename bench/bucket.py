@@ -26,8 +26,7 @@ from bench.report import row
 from strata.engine import tier as tiermod
 from strata.engine.bucket import Bucket
 from strata.engine.local import LocalStore, init_store
-from strata.engine.seal import BucketKey
-from strata.engine.seal import KEY_FILE, read_key_file
+from strata.engine.seal import KEY_FILE, BucketKey, read_key_file
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
 

@@ -193,8 +193,10 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
                         ContentCache(measure=own_pins), single=state.single,
                         cache_streams=store.kind != "unix")
     except StrataError as exc:
-        os.write(wfd, str(exc).encode())
-        os.close(wfd)
+        with contextlib.suppress(OSError):  # the asker may be gone: tear down all the same
+            os.write(wfd, str(exc).encode())
+        with contextlib.suppress(OSError):
+            os.close(wfd)
         teardown(state)
         if background:
             os._exit(1)
@@ -205,17 +207,24 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
         threading.Thread(target=_keep_alive, args=(store, float(state.extra["keepalive"])),
                          daemon=True).start()
 
+    def tell(msg: bytes) -> None:
+        # The one waiting for this answer may be gone already (a runner killed while
+        # the mount came up): that must not stop what follows, least of all the watch
+        # that tears the mount down once it notices.
+        with contextlib.suppress(OSError):
+            os.write(wfd, msg)
+        with contextlib.suppress(OSError):
+            os.close(wfd)
+
     def overlay_up() -> None:
         try:
             mount_overlays(state)
         except Exception as exc:
-            os.write(wfd, str(exc).encode())
-            os.close(wfd)
+            tell(str(exc).encode())
             with contextlib.suppress(MountError):
                 unmount(state.lower, lazy=True)
             return
-        os.write(wfd, b"ok")
-        os.close(wfd)
+        tell(b"ok")
         if not background and announce:
             print(f"mounted {state.mountpoint} (Ctrl-C or 'strata unmount' to stop)",
                   file=sys.stderr, flush=True)

@@ -45,7 +45,7 @@ demo: deps
 bench: deps
 	$(BIN)/python -m bench
 
-# One agent's day (issue 11) on every rung: local disk, upload at stop, s3fs, s3backer,
+# One agent's day on every rung: local disk, upload at stop, s3fs, s3backer,
 # rclone mount, NFS when the kernel has nfsd, and the strata workspace. Sizes: DAY_* env vars.
 day: deps
 	$(BIN)/python -m bench --only day

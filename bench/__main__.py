@@ -55,11 +55,11 @@ def main() -> None:
     step_rows += sandbox_rows
     speed_rows = speed.run(args.dir, quick=args.quick) if "speed" in groups else []
     if speed_rows:
-        print_table("strata speed (issue 12): the same work without strata in the same run",
+        print_table("strata speed: the same work without strata in the same run",
                     speed_rows)
     ws_rows = workspace.run(args.dir, quick=args.quick) if "workspace" in groups else []
     if ws_rows:
-        print_table("strata workspaces (issue 11): baselines from the same run", ws_rows)
+        print_table("strata workspaces: baselines from the same run", ws_rows)
     speed_rows += ws_rows
     day_rows: list[dict[str, object]] = []
     if "day" in groups:

@@ -1,4 +1,4 @@
-"""The day benchmark (issue 11): one agent's day on every rung of the storage ladder.
+"""The day benchmark: one agent's day on every rung of the storage ladder.
 
 Reference 002 walks one day through each common workspace design; this module
 runs that day on this machine, every rung in the same run, over the same moto
@@ -1186,7 +1186,7 @@ def print_day(days: list[Day], cfg: Config | None = None) -> None:
     notes = [f"{d.rung}: {n}" for d in days for n in d.notes]
     if notes:
         caption += ". Notes: " + "; ".join(notes)
-    title = "the day (issue 11)"
+    title = "the day"
     if cfg is not None:
         title += (f": repo ≤ {cfg.repo_files} files, npm ci of bench/fixtures/day, "
                   f"{cfg.fsync_iters} fsyncs")

@@ -34,7 +34,7 @@ from bench.cli_env import STRATA, CliEnv
 from bench.report import row
 
 TARGET_MS = {"none": 100.0, "gvisor": 500.0}  # PRODUCT.md: step overhead
-WHOLE_MS = {"none": 100.0, "bwrap": 120.0}  # issue 12: the whole command from the shell
+WHOLE_MS = {"none": 100.0, "bwrap": 120.0}  # the whole command from the shell
 IN_PROCESS = "in-process runner, as before the step service"
 BASELINE_WHAT = {"none": "the command run directly", "bwrap": "the same bwrap, no strata",
                  "gvisor": "the same runsc bundle, no strata"}

@@ -5,7 +5,7 @@ the web view's directory listing reads) with a read-only token's cookie:
 the first page cold (a fresh server, nothing cached), the first page warm,
 and a page in the middle of the directory (the cursor seeks in the B-tree).
 The baseline is `ls` of a directory of as many files on the local disk, in
-the same run. The target (issue 13) is under one second to open. Nothing
+the same run. The target is under one second to open. Nothing
 here asserts.
 """
 

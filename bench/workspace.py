@@ -1,4 +1,4 @@
-"""Workspace benchmarks (issue 11): fsync, resume after host loss, fork, idle bytes.
+"""Workspace benchmarks: fsync, resume after host loss, fork, idle bytes.
 
 Each figure sits beside its baseline from the same run: a 4 KiB write +
 fsync beside the same on the local disk; resume (attach + first `git

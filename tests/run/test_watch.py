@@ -67,3 +67,25 @@ def test_watch_json_sees_every_publish_once_in_order(senv: StepEnv) -> None:
     # The event order is the order things happened in: publishes, conflict, fork.
     kinds = [e["type"] for e in events if e["type"] != "hello"]
     assert kinds == ["publish"] * n + ["conflict", "fork"]
+
+
+def test_failed_timed_out_and_oom_steps_appear_in_watch(senv: StepEnv) -> None:
+    """They were missing from watch and the web view; CI dashboards show them."""
+    watch = subprocess.Popen([*STRATA, "watch", "v", "--json"], env=senv.env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events: list[dict[str, Any]] = []
+    t = threading.Thread(target=_reader, args=(watch, events), daemon=True)
+    t.start()
+    try:
+        assert _wait(lambda: any(e["type"] == "hello" for e in events), 20), events
+        failed = senv.step(["v"], ["sh", "-c", "echo x > $STRATA_STORAGE/v/f; exit 7"])
+        slow = senv.step(["v"], ["sleep", "30"], "none", "--timeout", "0.5")
+        assert (failed.rc, slow.rc) == (7, 124)
+        assert _wait(lambda: len([e for e in events if e["type"] == "step"]) == 2, 20), events
+    finally:
+        watch.terminate()
+        watch.wait(10)
+    steps = [e for e in events if e["type"] == "step"]
+    assert [(e["run"], e["status"], e["timed_out"]) for e in steps] == [
+        (failed.out["run"], 7, False), (slow.out["run"], 124, True)]
+    assert steps[0]["argv"][:2] == ["sh", "-c"] and steps[0]["branch"] == "live"

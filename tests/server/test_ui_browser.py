@@ -215,6 +215,15 @@ def test_a_step_in_another_process_appears_without_reload(env: Env,
     feed = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#feed li.ev-publish"))
     assert "proj@live" in feed[0].text
     _screenshot(browser, "history-live")
+    # A step that fails publishes nothing, and the history says so, live.
+    failed = subprocess.run(
+        [*STRATA, "run", "--json", "--sandbox", "none", "-v", "proj", "--", "sh", "-c",
+         "exit 9"], env=envv, capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 9, failed.stderr
+    run = json.loads(failed.stdout[failed.stdout.find("{"):])["run"]
+    item = _wait(browser, lambda d: d.find_elements(
+        By.CSS_SELECTOR, f'#timeline li.failed[data-run="{run}"]'))[0]
+    assert "failed: exit 9" in item.text and "nothing published" in item.text
 
 
 def test_diff_with_a_unified_text_diff(env: Env, browser: WebDriver) -> None:

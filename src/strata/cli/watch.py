@@ -20,7 +20,8 @@ RECONNECT_FOR = 30.0  # seconds a watch keeps reconnecting to a server that went
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("watch", parents=[common],
-                       help="follow publishes, conflicts, forks and branch moves live")
+                       help="follow publishes, conflicts, failed steps, forks and branch "
+                            "moves live")
     p.add_argument("refs", metavar="REF", nargs="*",
                    help="VOLUME (all its branches) or VOLUME@BRANCH; default: everything "
                         "the credentials may see")
@@ -137,6 +138,12 @@ class _RichOut:
             self.console.print(f"{when} [bold red]conflict[/] {ref}{exit_}: "
                                f"{escape(paths)}{f' (+{more} more)' if more > 0 else ''} "
                                f"[dim]{escape(str(ev.get('message', '')))}[/]")
+        elif kind == "step":
+            why = ("timed out" if ev.get("timed_out") else "out of memory" if ev.get("oom")
+                   else f"exit {ev.get('status')}")
+            argv = " ".join(str(a) for a in ev.get("argv", []))[:80]
+            self.console.print(f"{when} [bold red]failed[/] {ref} run {escape(str(ev.get('run')))}"
+                               f" {why}, nothing published [dim]{escape(argv)}[/]")
         elif kind == "fork":
             label = "rejected" if str(ev.get("branch", "")).startswith("rejected/") else "fork"
             colour = "red" if label == "rejected" else "cyan"

@@ -283,6 +283,8 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
             _publish(store, state, result, argv, message, leases.tokens(), identical)
         if ws_root is not None and root_head is not None:
             result.published[ws_root.volume] = root_head  # durable whatever the status
+        if result.status not in (0, CONFLICT_EXIT):  # a conflict is announced by the server
+            _announce_failure(store, state, result, argv)
         result.timings["finish"] = time.monotonic() - t2
         if on_done is not None:
             on_done(result)
@@ -537,6 +539,18 @@ def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,
     if result.timed_out:
         result.status = 124
     return result
+
+
+def _announce_failure(store: Store, state: MountState, result: StepResult,
+                      argv: list[str]) -> None:
+    """Tell `watch` and the web view that this step ended without publishing (best effort)."""
+    note = getattr(store, "note_step", None)
+    if note is None:
+        return
+    for v in state.committed:
+        with contextlib.suppress(StrataError, OSError):
+            note(v.volume, v.branch, result.run_id, result.status, timed_out=result.timed_out,
+                 oom=result.oom, argv=argv)
 
 
 def _publish(store: Store, state: MountState, result: StepResult, argv: list[str],

@@ -714,6 +714,34 @@ async def lease(request: web.Request) -> web.Response:
                               "holder": got.holder, "lease": got.id})
 
 
+async def steps(request: web.Request) -> web.Response:
+    """A runner says a step on a branch ended without publishing (watch and the view show it).
+
+    It changes nothing in the store: an event for those following the branch.
+    """
+    state = request.app[STATE]
+    volume = check_volume(request.match_info["volume"])
+    scope = _scope(request)
+    scope.check_volume(volume)  # permission before the body is read
+    scope.check_write()
+    body = await _json(request)
+    branch = check_branch(_field(body, "branch", str))
+    scope.check_branch(volume, branch, write=True)
+    run = _field(body, "run", str)
+    if not 0 < len(run) <= 64 or not run.isalnum():
+        raise InvalidInput("'run' must be 1 to 64 letters and digits")
+    status = _field(body, "status", int)
+    if not 0 <= status <= 255:
+        raise InvalidInput("'status' must be an exit status, 0 to 255")
+    flags = [_field(body, name, bool, optional=True) for name in ("timed_out", "oom")]
+    argv = _field(body, "argv", list, optional=True) or []
+    if len(argv) > 64 or not all(isinstance(a, str) and len(a) <= 1024 for a in argv):
+        raise InvalidInput("'argv' must list at most 64 strings of at most 1 KiB")
+    state.events.note_step(volume, branch, run, status, timed_out=bool(flags[0]),
+                           oom=bool(flags[1]), argv=argv)
+    return web.json_response({"ok": True})
+
+
 async def pins(request: web.Request) -> web.Response:
     """Pins on snapshots (garbage collection keeps them): pin, renew, release."""
     state = request.app[STATE]
@@ -887,6 +915,7 @@ def make_app(state: ServerState) -> web.Application:
     r.add_delete("/v1/volumes/{volume}/branches/{branch:.+}", delete_branch)
     r.add_post("/v1/volumes/{volume}/lease/{action}", lease)
     r.add_post("/v1/volumes/{volume}/pins/{action}", pins)
+    r.add_post("/v1/volumes/{volume}/steps", steps)
     r.add_get("/v1/snapshots/{prefix}", find_snapshot)
     r.add_post("/v1/publish", publish)
     r.add_post("/v1/admin/tokens", token_create)

@@ -574,6 +574,14 @@ class RemoteStore(Store):
         """The caller's scope: owner, volume, branch, writable."""
         return dict(self._json("GET", "/v1/whoami"))
 
+    def note_step(self, volume: str, branch: str, run: str, status: int, *,
+                  timed_out: bool = False, oom: bool = False,
+                  argv: Sequence[str] = ()) -> None:
+        """Tell those following the branch that a step on it ended without publishing."""
+        self._json("POST", f"/v1/volumes/{volume}/steps", {
+            "branch": branch, "run": run, "status": status, "timed_out": timed_out,
+            "oom": oom, "argv": [a[:1024] for a in list(argv)[:64]]})
+
     # -- owner administration (unix socket) ---------------------------------------------
 
     def events(self, refs: Sequence[str], since: str | None = None,

@@ -111,6 +111,12 @@ class EventFeed:
                        message=cs.message, run=_run_of(cs.meta), paths=paths[:MAX_PATHS],
                        npaths=len(paths))
 
+    def note_step(self, volume: str, branch: str, run: str, status: int, *,
+                  timed_out: bool, oom: bool, argv: list[str]) -> None:
+        """A step on this branch ended without publishing: failed, timed out or killed."""
+        self._note("step", volume=volume, branch=branch, run=run, status=status,
+                   timed_out=timed_out, oom=oom, argv=argv)
+
     def note_fork(self, volume: str, branch: str, snapshot: str) -> None:
         self._note("fork", volume=volume, branch=branch, snapshot=snapshot)
 

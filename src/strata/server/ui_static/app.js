@@ -142,6 +142,13 @@ async function log() {
       list.prepend(logItem(v, { id: ev.snapshot, parent: ev.parent, time: ev.snapshot_time,
                                 message: ev.message, added: ev.added, deleted: ev.deleted,
                                 modified: ev.modified, truncated: ev.truncated }, true));
+    } else if (ev.type === "step" && ev.volume === v && ev.branch === b) {
+      const why = ev.timed_out ? "timed out" : ev.oom ? "out of memory" : "exit " + ev.status;
+      list.prepend(el("li", { class: "new failed", "data-run": ev.run },
+        el("div", {}, el("span", { class: "mono" }, "run " + ev.run), "  ",
+           el("strong", {}, "failed: " + why), "  ",
+           el("span", { class: "muted", title: when(ev.time) }, age(ev.time))),
+        el("div", { class: "muted" }, (ev.argv || []).join(" ") + " (nothing published)")));
     } else if (ev.type === "hello" && ev.resync) {
       log().catch(fail);
     }

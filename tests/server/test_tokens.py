@@ -570,3 +570,18 @@ def test_a_branch_token_is_told_which_branch_it_is_for(env: Env) -> None:
     rc, _out, err = env.as_token(tok, "ls", "a")
     assert rc == 2 and "this token is for a@scoped" in err, (rc, err)
     assert env.as_token(tok, "ls", "a@scoped")[0] == 0
+
+
+def test_only_a_writer_of_the_branch_announces_a_failed_step(env: Env) -> None:
+    ro = env.token("a", "--ro")["token"]
+    other = env.token("b", "--rw")["token"]
+    rw = env.token("a", "--rw")["token"]
+    for tok in (ro, other):
+        with tcp_store(env, tok) as remote, pytest.raises(Forbidden):
+            remote.note_step("a", "live", "r1", 1)
+    with tcp_store(env, rw) as remote:
+        remote.note_step("a", "live", "r1", 1, argv=["make"])
+        with pytest.raises(InvalidInput):
+            remote.note_step("a", "live", "not a run id!", 1)
+        with pytest.raises(InvalidInput):
+            remote.note_step("a", "live", "r1", 999)

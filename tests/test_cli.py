@@ -511,3 +511,37 @@ def test_human_output_has_no_epochs_seconds_or_reprs(cli: Cli) -> None:
     assert cli.out("log", "h").endswith("(empty volume)")
     stats = cli.out("stats")
     assert "['" not in stats and "None" not in stats, stats
+
+
+def test_long_work_draws_progress_on_a_terminal_only(cli: Cli, tmp_path: Path) -> None:
+    """Import and export draw a bar on a terminal (rich); piped, they print nothing more."""
+    src = tmp_path / "tree"
+    for i in range(3000):
+        d = src / f"d{i % 30}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}").write_text(str(i))
+    cli.run("volume", "create", "big")
+    cli.run("import", "big", str(src), "-m", "many")
+    piped = cli.run("export", "big", str(tmp_path / "piped"))
+    assert piped.stderr == ""
+    leader, follower = os.openpty()
+    try:
+        p = subprocess.Popen([*STRATA, "--store", str(cli.store), "export", "big",
+                              str(tmp_path / "tty")], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=follower,
+                             env={**os.environ, "COLUMNS": "100"})
+        os.close(follower)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        assert p.wait(60) == 0
+    finally:
+        os.close(leader)
+    assert b"exporting" in drawn, drawn[-500:]
+    assert len(list((tmp_path / "tty").rglob("f*"))) == 3000

@@ -268,6 +268,7 @@ class _Exporter:
         self.unowned = 0
         self.setid = 0
         self.guarded = 0  # entries whose security.* / trusted.* xattrs were left out
+        self.progress: Callable[[int, int], None] | None = None
         self.links: dict[int, str] = {}  # hard-link group -> first path (from the root fd)
 
     def owner(self, dfd: int, name: str, e: Entry) -> None:
@@ -358,6 +359,9 @@ class _Exporter:
         for raw, e in self.trees.iter_dir(d.ref):
             name = os.fsdecode(check_name(raw))
             path = f"{rel}/{name}" if rel else name
+            if self.progress is not None:
+                done = self.report.files + self.report.dirs + self.report.links
+                self.progress(done, 0)  # entries written; the total is not known ahead
             if e.kind == K_DIR:
                 os.mkdir(name, 0o700, dir_fd=dfd)
                 self.report.dirs += 1
@@ -396,7 +400,8 @@ class _Exporter:
 
 
 def export_snapshot(store: Store, snapshot_id: str, dst_dir: str, *,
-                    privileged: bool = False) -> ExportReport:
+                    privileged: bool = False,
+                    progress: Callable[[int, int], None] | None = None) -> ExportReport:
     """Write snapshot `snapshot_id` into `dst_dir`, which must be empty or absent.
 
     Setuid/setgid bits, device nodes and security.* / trusted.* xattrs (file
@@ -413,6 +418,7 @@ def export_snapshot(store: Store, snapshot_id: str, dst_dir: str, *,
         os.makedirs(dst_dir)
     report = ExportReport()
     exporter = _Exporter(store, report, privileged)
+    exporter.progress = progress
     rootfd = os.open(dst_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         exporter.run(root, rootfd)

@@ -105,20 +105,24 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 @contextmanager
-def _progress_bar(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
-    """A rich progress bar on stderr when it is a terminal; otherwise nothing."""
+def _progress_bar(enabled: bool, what: str = "importing"
+                  ) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar on stderr when it is a terminal; otherwise nothing.
+
+    The callback takes (done, total); a total of 0 is not known ahead (a count).
+    """
     if not enabled:
         yield None
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    with Progress("importing", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Progress(what, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("import", total=None)
+        task = bar.add_task(what, total=None)
 
         def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+            bar.update(task, completed=done, total=total or None)
 
         yield update
 
@@ -152,7 +156,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             with snapshot_files(store, ref.volume, sid) as root:
                 export(root, args.dir)
             return 0
-        report = export_snapshot(store, sid, args.dir, privileged=args.privileged)
+        with _progress_bar(sys.stderr.isatty(), "exporting") as progress:
+            report = export_snapshot(store, sid, args.dir, privileged=args.privileged,
+                                     progress=progress)
     for what in report.skipped:
         print(f"strata: warning: not restored: {what}", file=sys.stderr)
     return 0

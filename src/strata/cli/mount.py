@@ -222,8 +222,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         print(f"pinned {short(vol['pinned'])}, last published {short(vol['base'])}, "
               f"{len(vol['uncommitted'])} uncommitted path(s)")
-        if vol["changes"]:  # one write: a mount may list tens of thousands
-            print("\n".join(f"{c['change']:>9}  {c['path']}" for c in vol["changes"]))
+        # Only what a commit would publish now; what earlier commits published stays in
+        # the mount's upper layer too (`--json` lists it under "changes").
+        kinds = {c["path"]: c["change"] for c in vol["changes"]}
+        shown = [p or "." for p in vol["uncommitted"]]
+        if shown:  # one write: a mount may list tens of thousands
+            print("\n".join(f"{kinds.get(p, 'changed'):>9}  {p}" for p in shown))
+        committed = len(vol["changes"]) - len(shown)
+        if committed > 0:
+            print(f"({committed} other path(s) written since the mount are committed)")
     return 0
 
 

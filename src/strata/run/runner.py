@@ -350,7 +350,7 @@ class StepJail:
         assert self.jail is not None
         if throwaway or self._userns is None:
             # (gVisor's gofer serves a workspace as it is)
-            self.jail.root, self.jail.root_overlay = root_dir, throwaway
+            self.jail.root = root_dir
             return
         view = os.path.join(self.jail.stage, "root")
         os.mkdir(view, 0o755)

@@ -85,7 +85,6 @@ class Jail:
     userns: str | None = None
     id_base: int = 0
     root: str | None = None      # a root filesystem in place of rootfs.default_root()
-    root_overlay: bool = False   # the root is a throwaway layer (an image), not durable
     fds: list[int] = field(default_factory=list)  # closed once the command started
 
 
@@ -428,13 +427,8 @@ def run_command(launch: Launch, *, cwd: str, timeout: float | None, memory: int 
             # No Python between fork and exec: the interpreter can vfork, which from a
             # process the size of the step service's workers costs 1 ms, not 15.
             missing = _check_executable(launch.cmd[0], launch.env, cwd)
-            if missing is not None:  # what a shell would say, and its status
-                os.write(2, f"strata run: {launch.cmd[0]}: {missing[1]}\n".encode(
-                    errors="surrogateescape"))
-                pumps.close()
-                if cg is not None:
-                    cg.remove()
-                return Outcome(missing[0])
+            if missing is not None:
+                raise _CannotRun(*missing)
             cmd = [*gate, *wrapper, *(["--"] if wrapper else []), *launch.cmd]
             proc = subprocess.Popen(cmd, env=launch.env, cwd=cwd, process_group=0,
                                     pass_fds=launch.pass_fds, stdout=pumps.out(1),
@@ -454,13 +448,15 @@ def run_command(launch: Launch, *, cwd: str, timeout: float | None, memory: int 
                                         preexec_fn=preexec, pass_fds=launch.pass_fds,
                                         stdout=pumps.out(1), stderr=pumps.out(2))
             except (FileNotFoundError, PermissionError) as exc:
-                status = 127 if isinstance(exc, FileNotFoundError) else 126
-                os.write(2, f"strata run: {launch.cmd[0]}: {exc.strerror}\n".encode(
-                    errors="surrogateescape"))
-                pumps.close()
-                if cg is not None:
-                    cg.remove()
-                return Outcome(status)
+                raise _CannotRun(127 if isinstance(exc, FileNotFoundError) else 126,
+                                 exc.strerror or str(exc)) from None
+    except _CannotRun as exc:  # what a shell would say, and its status
+        os.write(2, f"strata run: {launch.cmd[0]}: {exc.words}\n".encode(
+            errors="surrogateescape"))
+        pumps.close()
+        if cg is not None:
+            cg.remove()
+        return Outcome(exc.status)
     except BaseException:
         pumps.close()
         if cg is not None:
@@ -494,6 +490,14 @@ def run_command(launch: Launch, *, cwd: str, timeout: float | None, memory: int 
     rc = proc.returncode
     status = 128 - rc if rc < 0 else rc
     return Outcome(status, timed_out, oom)
+
+
+class _CannotRun(Exception):
+    """The command is not there (127) or cannot be run (126)."""
+
+    def __init__(self, status: int, words: str) -> None:
+        super().__init__(words)
+        self.status, self.words = status, words
 
 
 class _Pumps:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import logging
 import os
 import signal
 import socket
@@ -114,6 +115,7 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     state = ServerState(store_dir)
     state.listens = list(listens)
     app = make_app(state)
+    _quiet_bad_requests()
     # auto_decompress off: a compressed body is never inflated (app.UnsupportedEncoding).
     runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False,
                            keepalive_timeout=HEADER_TIMEOUT)
@@ -259,6 +261,25 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     await _close_listeners(runner, listeners, unlink="handed off" not in result.notes)
     state.executor.shutdown(wait=True)
     return result
+
+
+def _quiet_bad_requests() -> None:
+    """Keep a client's malformed HTTP out of the log as a traceback.
+
+    aiohttp answers it 400 itself (e.g. both Content-Length and
+    Transfer-Encoding), then logs "Error handling request" with a traceback,
+    which reads like a fault of the server's. Such records are dropped; any
+    other error is logged as before.
+    """
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    def keep(record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, HttpProcessingError)
+
+    log = logging.getLogger("aiohttp.server")
+    if not any(getattr(f, "__name__", "") == keep.__name__ for f in log.filters):
+        log.addFilter(keep)
 
 
 async def _close_listeners(runner: web.AppRunner, listeners: list[Listener],

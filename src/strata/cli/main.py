@@ -46,15 +46,16 @@ exit codes: 0 ok, 1 error, 2 usage, 3 conflict (paths on stderr), 4 not found
 
 def _command_of(argv: Sequence[str]) -> str | None:
     """The subcommand named on the command line, if it can be told without parsing."""
-    takes_value = {"--store", "--server", "--token"}
+    takes_value = {"--store", "--server", "--token", "--log-level"}
     skip = False
     for arg in argv:
         if skip:
             skip = False
         elif arg in takes_value:
             skip = True
-        elif arg == "--" or (arg.startswith("-") and arg not in ("--debug",)
-                             and not arg.startswith(("--store=", "--server=", "--token="))):
+        elif arg == "--" or (arg.startswith("-") and arg not in ("--debug", "--log-json")
+                             and not arg.startswith(("--store=", "--server=", "--token=",
+                                                     "--log-level="))):
             return None  # --help, --version, or something to leave to argparse
         elif not arg.startswith("-"):
             return arg
@@ -78,12 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from strata.cli.common import unquote_path
     from strata.cli.show import quote_path
     from strata.engine.errors import Conflict, StrataError
+    from strata.logs import configure_from_args
     args = build_parser(command).parse_args(argv)
     # Names that are not UTF-8 come back out as the bytes they were, as `ls` does.
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="surrogateescape")
     debug = bool(getattr(args, "debug", False))
+    configure_from_args(getattr(args, "log_level", None), bool(getattr(args, "log_json", False)))
     if isinstance(getattr(args, "path", None), str):
         args.path = unquote_path(args.path)  # a name typed as the CLI shows it
     try:

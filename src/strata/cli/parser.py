@@ -14,6 +14,7 @@ from typing import Any
 
 from strata import __version__
 from strata.cli.main import COMMANDS, EPILOG, MODULES
+from strata.logs import LEVELS
 
 
 def _width() -> int:
@@ -63,6 +64,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         help="bearer token for a TCP server (default: $STRATA_TOKEN)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show a traceback on errors")
+    common.add_argument("--log-level", choices=LEVELS, default=argparse.SUPPRESS,
+                        help="what the processes this command starts log (default: "
+                             "$STRATA_LOG_LEVEL, else info)")
+    common.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS,
+                        help="log one JSON object a line (default: $STRATA_LOG_JSON)")
     parser = _Parser(
         prog="strata", parents=[common], epilog=EPILOG, formatter_class=_RawFormatter,
         description="A versioned, transactional, forkable filesystem.")

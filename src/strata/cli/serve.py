@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -101,6 +102,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"{result.gap_seconds * 1000:.0f} ms", file=sys.stderr, flush=True)
 
     import asyncio
+
+    from strata.logs import setup
+    setup(os.path.join(path, "serve.log"))
     result = asyncio.run(run_server(path, args.listen, takeover=args.takeover, on_ready=ready,
                                     idle_exit=args.idle_exit))
     if result.notes:

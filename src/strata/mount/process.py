@@ -168,6 +168,10 @@ def _log_to(state: MountState) -> None:
     os.dup2(devnull, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    os.close(log)
+    os.close(devnull)
+    from strata.logs import setup
+    setup(os.path.join(state.scratch, "mount.log"))
 
 
 def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | None,

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from strata.engine.errors import InvalidInput, StrataError
 from strata.run.client import (
     LOCK_NAME,
+    LOG_NAME,
     MAX_ANSWER,
     MAX_REQUEST,
     PROTOCOL,
@@ -78,6 +79,8 @@ def main(argv: list[str]) -> int:
     if lock is None:
         return 0  # another service has the store
     _preload()
+    from strata.logs import setup
+    setup(os.path.join(store, LOG_NAME))
     from strata.engine.storedir import read_store_meta
     try:  # fixed when the store was made: spares every step a request for it
         block = int(read_store_meta(store)["block_size"])

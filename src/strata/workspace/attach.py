@@ -518,6 +518,8 @@ def attach(server: str, token: str | None, volume: str, branch: str, directory: 
         os.dup2(log, 1)
         os.dup2(log, 2)
         sys.stdout = os.fdopen(1, "w", buffering=1)
+        from strata.logs import setup
+        setup(os.path.join(att.state_dir, "daemon.log"))
         code = run_daemon(att, wfd)
     except BaseException as exc:  # noqa: BLE001 - report anything, then go
         with contextlib.suppress(OSError):

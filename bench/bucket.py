@@ -23,7 +23,7 @@ import obstore
 
 from bench.engine import _pct
 from bench.report import row
-from strata.engine import tier as tiermod
+from strata.engine import tierreads as tiermod  # FETCH_BACK_AFTER lives there
 from strata.engine.bucket import Bucket
 from strata.engine.local import LocalStore, init_store
 from strata.engine.seal import KEY_FILE, BucketKey, read_key_file

@@ -1,0 +1,121 @@
+"""The state the bucket tier's parts share, and the files it keeps in the store.
+
+`TieredPacks` (engine/tier.py) is put together from one class per job, each
+in a module of its own; this is the base they all build on: the attributes
+set up at open, the locks that guard them, and the check that refuses work
+once the tier has failed. It does no work of its own and starts no thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
+from strata.engine.bucket import Bucket, OwnerLog
+from strata.engine.checkpoint import Checkpoint, Loc, RunReader
+from strata.engine.errors import StoreFailed
+from strata.engine.index import Index
+from strata.engine.packstore import LocalPacks, PackStore
+
+Progress = Callable[[int, int, int], None]  # records done, records in all, bytes so far
+Chunk = tuple[int, int, bytes | None]  # pack, offset, bytes (None: cut the pack here)
+BUCKET_META = "strata-bucket"
+BUCKET_FORMAT = 2          # 2: every object sealed with the store's key; 1: none was
+TIER_STATE = "tier.json"              # in the store: this owner's epoch and log position
+TIER_CHECKPOINT = "tier-checkpoint"   # in the store: the last checkpoint it wrote or read
+
+
+class TierState(PackStore):
+    """What every part of the tier reads and writes (see engine/tier.py for the whole)."""
+
+    def __init__(self, local: LocalPacks, bucket: Bucket, log: OwnerLog, *, strict: bool,
+                 checkpoint: Checkpoint | None = None, cache_size: int | None = None,
+                 hydrated: str | None = None, clean: bool = False,
+                 from_log: set[int] | None = None) -> None:
+        self.local = local
+        self.bucket = bucket
+        self.log = log
+        self.strict = strict
+        self.cache_size = cache_size
+        self.failed: BaseException | None = None
+        self._lock = threading.Lock()          # pending chunks and the maps below
+        self._ship_lock = threading.Lock()     # one segment write at a time, in order
+        self._work_lock = threading.Lock()     # the background pass, or a flush
+        self._pending: list[Chunk] = []
+        self._pending_bytes = 0
+        self._shipped_at = time.monotonic()
+        self._pending_since: float | None = None
+        # Packs in the bucket: number -> (object name, size). From the checkpoint a
+        # restore started from, then each upload.
+        self.remote: dict[int, tuple[str, int]] = dict(checkpoint.packs) if checkpoint else {}
+        self._first_seq: dict[int, int] = {}   # pack -> first segment holding its bytes
+        self._uploads: collections.deque[int] = collections.deque()
+        self._windows: collections.OrderedDict[tuple[int, int], bytes] = \
+            collections.OrderedDict()
+        # The object index of the checkpoint this store started from, until the local
+        # index holds all of it (`hydrated` names the run it holds whole): misses read
+        # it a block at a time meanwhile, and the background loop copies it in.
+        self._inherited_index: RunReader | None = None
+        self._hydrated = hydrated
+        # Whether the last owner of this directory shipped everything it wrote (a clean
+        # close, or a restore, whose packs come from the log): if not, reship at attach.
+        self._clean_at_open = clean
+        self._clean = False
+        # Packs a restore rebuilt from log segments: their bytes came from the bucket,
+        # so objects read from them are checked against their ids like bucket packs.
+        self._from_log: set[int] = set(from_log or ())
+        self._hydrating: Iterator[list[tuple[bytes, Loc]]] | None = None
+        if checkpoint is not None and checkpoint.run and checkpoint.run != hydrated:
+            run = checkpoint.run
+            self._inherited_index = RunReader(run, checkpoint.fences, checkpoint.entries,
+                                  lambda s, e: self.bucket.get_range(run, s, e))
+        self._inherited_blocks: set[int] = set()
+        # The local directory, as the tier sees it: which packs are there, which reads
+        # are using one (eviction waits for them), when each was last read.
+        self._local: set[int] = set(local.numbers())
+        self._reading: collections.Counter[int] = collections.Counter()
+        self._last_read: dict[int, float] = {}
+        self._misses: collections.Counter[int] = collections.Counter()
+        self._fetches: collections.deque[int] = collections.deque()
+        # Bucket objects of packs garbage collection removed: (name, checkpoints written
+        # before the removal). Deleted once a later checkpoint is in the log.
+        self._doomed: list[tuple[str, float]] = []
+        self._cp_taken = 0  # checkpoints that took their view of the packs
+        self._cp_done = 0   # the newest of those views that is in the log
+        # Packs the last checkpoint this owner saved names as uploaded: only these may
+        # be evicted, since a reopened store learns where packs are from that file.
+        self._checkpointed: set[int] = set(checkpoint.packs) if checkpoint else set()
+        self._evict_checked = 0.0
+        self._log_from_at_open = checkpoint.log_from if checkpoint is not None else 0
+        self._index: Index | None = None
+        self._state_dir: str | None = None
+        self._store_id = b""
+        self._block_size = 0
+        self._changed = False
+        self._checkpointed_at = 0.0
+        self.stats = {"segments": 0, "segment_bytes": 0, "packs_uploaded": 0,
+                      "bytes_uploaded": 0, "checkpoints": 0, "ranged_reads": 0,
+                      "last_checkpoint": 0.0, "last_ship": 0.0, "max_unshipped_ms": 0.0,
+                      "outages": 0, "evicted": 0, "evicted_bytes": 0, "fetched_back": 0,
+                      "index_entries_hydrated": 0, "packs_deleted": 0}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._fence_thread: threading.Thread | None = None
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise StoreFailed(f"the bucket tier stopped: {self.failed}")
+
+    if TYPE_CHECKING:  # the parts call each other through the assembled class
+        def ship(self) -> None: ...
+        def _record(self, chunk: Chunk) -> None: ...
+        def _upload_queued(self) -> None: ...
+        def checkpoint(self) -> str: ...
+        def _save_state(self, checkpoint: bytes | None = None) -> None: ...
+        def _hydrate_some(self) -> bool: ...
+        def _download(self, number: int) -> None: ...
+        def _using(self, number: int) -> AbstractContextManager[bool]: ...

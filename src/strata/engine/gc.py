@@ -38,15 +38,17 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from strata.engine import pack as packfmt
 from strata.engine.errors import InvalidInput, NotFound, Unavailable
+from strata.engine.index import Index
+from strata.engine.interface import Lease, SnapshotInfo
+from strata.engine.journal import Journal
 from strata.engine.objects import FILENODE, SNAPSHOT, TREE, references
+from strata.engine.packstore import PackStore
+from strata.engine.refs import Refs
 from strata.engine.storedir import write_durably
-
-if TYPE_CHECKING:
-    from strata.engine.local import LocalStore
 
 DEFAULT_MIN_AGE = 300.0       # seconds an object stays unreachable before it is deleted
 DEFAULT_EXPIRE_RUNS = 86400.0  # run/* and rejected/* branches live this long by default
@@ -85,16 +87,17 @@ class Policies:
     from its bucket keeps them. None set keeps every snapshot: when in doubt, keep.
     """
 
-    def __init__(self, store: LocalStore) -> None:
-        self._store = store
+    def __init__(self, refs: Refs, journal: Journal) -> None:
+        self._refs = refs
+        self._journal = journal
 
     def load(self) -> dict[str, dict[str, Any]]:
         """Every policy set, by `volume` or `volume@branch`."""
         return {f"{v}@{b}" if b else v: dict(f)
-                for (v, b), f in sorted(self._store._refs.policies.items())}
+                for (v, b), f in sorted(self._refs.policies.items())}
 
     def get(self, volume: str, branch: str) -> Policy:
-        pols = self._store._refs.policies
+        pols = self._refs.policies
         merged: dict[str, Any] = {}
         merged.update(pols.get((volume, ""), {}))
         merged.update(pols.get((volume, branch), {}))
@@ -108,7 +111,7 @@ class Policies:
             if v is not None and (not isinstance(v, (int, float)) or v < (1 if k == "keep_last"
                                                                           else 0)):
                 raise InvalidInput(f"policy {k} must be a positive number")
-        refs = self._store._refs
+        refs = self._refs
 
         def ops() -> list[list[Any]]:  # under the journal's append lock: no lost update
             cur = dict(refs.pending_policies.get((volume, branch or ""), {}))
@@ -116,7 +119,7 @@ class Policies:
             return [["policy", volume, branch or None,
                      {k: v for k, v in sorted(cur.items()) if v is not None}]]
 
-        journal = self._store._journal
+        journal = self._journal
         journal.wait_durable(journal.commit(ops))
         return self.get(volume, branch or "")
 
@@ -132,7 +135,7 @@ class Policies:
             raise InvalidInput(f"{path}: unknown policy file version")
         for key, fields in sorted(dict(data["policies"]).items()):
             volume, _sep, branch = str(key).partition("@")
-            if volume in self._store._refs.pending_vols:  # a deleted volume's went with it
+            if volume in self._refs.pending_vols:  # a deleted volume's went with it
                 self.set(volume, branch or None,
                          **{k: v for k, v in dict(fields).items() if k in POLICY_FIELDS})
         os.unlink(path)  # every policy it held is durable in the journal now
@@ -343,15 +346,48 @@ class Report:
         return asdict(self)
 
 
-def collect(store: LocalStore, *, min_age: float = DEFAULT_MIN_AGE,
-            dry_run: bool = False) -> dict[str, Any]:
-    """One GC pass over `store` (see the module docstring); returns its report."""
+class Collectable(Protocol):
+    """What a GC pass uses of a store (engine/local.py's `LocalStore` is the one).
+
+    Named here so this module needs nothing above it: the store passes its
+    journal and packs in beside itself, as engine/fsck.py gets them.
+    """
+
+    gc_lock: threading.Lock
+    gate: Gate
+    pins: Pins
+    policies: Policies
+
+    @property
+    def index(self) -> Index: ...
+    def gc_blocked(self) -> str | None: ...
+    def sync_index(self) -> None: ...
+    def opened_for(self) -> float: ...
+    def upload_pins(self) -> set[bytes]: ...
+    def list_volumes(self) -> list[str]: ...
+    def list_branches(self, volume: str) -> dict[str, str]: ...
+    def snapshot(self, sid: str) -> SnapshotInfo: ...
+    def lease_of(self, volume: str, branch: str) -> Lease | None: ...
+    def delete_branch(self, volume: str, branch: str) -> None: ...
+    def object_kind(self, oid: bytes) -> int | None: ...
+    def get_object(self, oid: bytes) -> bytes: ...
+    def forget(self, oids: list[bytes], expired: list[bytes]) -> None: ...
+    def remove_pack(self, number: int) -> None: ...
+
+
+def collect(store: Collectable, journal: Journal, packs: PackStore, *,
+            min_age: float = DEFAULT_MIN_AGE, dry_run: bool = False) -> dict[str, Any]:
+    """One GC pass over `store` (see the module docstring); returns its report.
+
+    `journal` and `packs` are the store's own: the pass seals and copies
+    through the one and sizes and reads packs through the other.
+    """
     if min_age < 0:
         raise InvalidInput("min age cannot be negative")
     with store.gc_lock:
         report = Report(dry_run=dry_run, min_age=min_age)
         t0 = time.monotonic()
-        _pass(store, report, min_age, dry_run)
+        _pass(store, journal, packs, report, min_age, dry_run)
         report.seconds = round(time.monotonic() - t0, 4)
         out = report.as_dict()
         if not dry_run:
@@ -359,14 +395,15 @@ def collect(store: LocalStore, *, min_age: float = DEFAULT_MIN_AGE,
         return out
 
 
-def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> None:
+def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report,
+          min_age: float, dry_run: bool) -> None:
     blocked = store.gc_blocked()
     if blocked is not None:
         raise Unavailable(blocked)
     if not dry_run and min_age == 0:
-        store._journal.seal_now()  # garbage in the active pack becomes compactable
+        journal.seal_now()  # garbage in the active pack becomes compactable
     store.sync_index()
-    start = store._journal.end()  # objects stored from here on are never this pass's garbage
+    start = journal.end()  # objects stored from here on are never this pass's garbage
     now = time.time()
 
     # 1. expire temporary branches
@@ -434,14 +471,14 @@ def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> N
     report.dead_bytes = sum(loc[2] for loc in candidates.values())
 
     # 5.-6. compaction and deferred deletion
-    active = store._journal.end()[0]
+    active = journal.end()[0]
     empty_before = _load_empty(store)
     empty_now: list[int] = []
     compact: list[int] = []
-    for n in store._packs.numbers():
+    for n in packs.numbers():
         if n >= active or waiting.get(n):
             continue
-        size = store._packs.size(n)
+        size = packs.size(n)
         live_b = live_bytes.get(n, 0)
         if live_b == 0:
             if n in empty_before and not dry_run:  # a bucket's copy: see TieredPacks.remove
@@ -456,20 +493,20 @@ def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> N
             report.bytes_copied += live_b
     if not dry_run:
         if compact:
-            _compact(store, set(compact))
+            _compact(store, journal, packs, set(compact))
             empty_now += compact
         store.index.put_meta(b"gc-empty", json.dumps(empty_now).encode())
     for n in empty_now if not dry_run else empty_now + compact:
         report.packs_pending.append(n)
-        report.bytes_pending += store._packs.size(n)
+        report.bytes_pending += packs.size(n)
 
 
-def _load_empty(store: LocalStore) -> set[int]:
+def _load_empty(store: Collectable) -> set[int]:
     raw = store.index.get_meta(b"gc-empty")
     return set(json.loads(raw)) if raw else set()
 
 
-def _roots(store: LocalStore, now: float, report: Report | None, skip: set[str]) -> set[bytes]:
+def _roots(store: Collectable, now: float, report: Report | None, skip: set[str]) -> set[bytes]:
     """Snapshot ids every retention rule and pin keeps."""
     out: set[bytes] = set()
     for vol in store.list_volumes():
@@ -495,12 +532,12 @@ def _roots(store: LocalStore, now: float, report: Report | None, skip: set[str])
     return out
 
 
-def _mark(store: LocalStore, snapshots: set[bytes], live: set[bytes]) -> None:
+def _mark(store: Collectable, snapshots: set[bytes], live: set[bytes]) -> None:
     todo = [(SNAPSHOT, s) for s in snapshots if s not in live]
     _walk(store, todo, live)
 
 
-def _mark_nodes(store: LocalStore, oids: set[bytes], live: set[bytes]) -> None:
+def _mark_nodes(store: Collectable, oids: set[bytes], live: set[bytes]) -> None:
     """Objects pinned by uploads: keep them and what they refer to."""
     todo = []
     for oid in oids - live:
@@ -510,7 +547,7 @@ def _mark_nodes(store: LocalStore, oids: set[bytes], live: set[bytes]) -> None:
     _walk(store, todo, live)
 
 
-def _walk(store: LocalStore, todo: list[tuple[int, bytes]], live: set[bytes]) -> None:
+def _walk(store: Collectable, todo: list[tuple[int, bytes]], live: set[bytes]) -> None:
     while todo:
         kind, oid = todo.pop()
         if oid in live:
@@ -524,7 +561,8 @@ def _walk(store: LocalStore, todo: list[tuple[int, bytes]], live: set[bytes]) ->
             todo.extend((k, o) for k, o in references(kind, raw) if o not in live)
 
 
-def _compact(store: LocalStore, numbers: set[int]) -> None:
+def _compact(store: Collectable, journal: Journal, packs: PackStore,
+             numbers: set[int]) -> None:
     """Copy the live objects of packs `numbers` forward; the copies take over in the index.
 
     Frames are copied as they are (their checksums do not cover the pack's marker).
@@ -534,13 +572,13 @@ def _compact(store: LocalStore, numbers: set[int]) -> None:
     for oid, loc in store.index.iter_objects():
         if loc[0] not in numbers:
             continue
-        frame = store._packs.pread(loc[0], loc[2], loc[1])
+        frame = packs.pread(loc[0], loc[2], loc[1])
         if len(frame) != loc[2]:
             raise NotFound(f"pack {packfmt.pack_name(loc[0])} is shorter than its index says")
         batch.append((oid, loc[3], frame[packfmt.SYNC_SIZE:]))
         if len(batch) >= 256:
-            store._journal.wait_durable(store._journal.copy_objects(batch))
+            journal.wait_durable(journal.copy_objects(batch))
             batch = []
     if batch:
-        store._journal.wait_durable(store._journal.copy_objects(batch))
+        journal.wait_durable(journal.copy_objects(batch))
     store.sync_index()

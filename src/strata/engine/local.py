@@ -3,7 +3,8 @@
 `LocalStore` owns a store directory while it is open (an exclusive lock) and
 answers the `Store` interface over it. The jobs behind that are modules of
 their own, which it puts together and holds (composition: each lock and each
-piece of state has one owner, and the modules below do not import this one):
+piece of state has one owner, and no module of engine/ imports this one; those
+that need the store take what they use as arguments or as a `Protocol`):
 
 - storedir.py: the `STRATA` file, settings, permissions, the owner lock;
 - packstore.py: where pack bytes live (`PackStore`; `LocalPacks` here);
@@ -11,7 +12,9 @@ piece of state has one owner, and the modules below do not import this one):
 - journal.py: appending, sealing, group-commit durability;
 - refs.py: the pending and served views of heads, volumes and leases;
 - indexer.py: the background thread that writes LMDB off the commit path;
-- fsck.py: checking packs, index, refs and trees.
+- fsck.py: checking packs, index, refs and trees;
+- gc.py: garbage collection (a `Collectable`, with the journal and packs);
+- tier.py: the bucket tier, a `PackStore` in place of `LocalPacks`.
 
 What stays here is the API: objects, volumes, branches, leases, publishing.
 The crash-safety order the store follows is written out in docs/design.md;
@@ -162,7 +165,6 @@ class LocalStore(Store):
         self._branch_locks_guard = threading.Lock()
         # Garbage collection (engine/gc.py): what it must not take away.
         self.gate = gcmod.Gate()
-        self.policies = gcmod.Policies(self)
         self.gc_lock = threading.Lock()
         self._opened = time.monotonic()
         self._touched: dict[bytes, float] = {}  # uploaded or found present: oid -> when
@@ -177,6 +179,7 @@ class LocalStore(Store):
             self._refs = Refs(index)
             self._journal = Journal(self._packs, self.store_id, self.config, self._refs,
                                     self._indexer)
+            self.policies = gcmod.Policies(self._refs, self._journal)
             self.stats = self._journal.stats
             if EMPTY_SNAPSHOT_ID not in set(self._refs.served.values()) and not (
                     self._indexer.has(bytes.fromhex(EMPTY_SNAPSHOT_ID))):
@@ -898,7 +901,7 @@ class LocalStore(Store):
            ) -> dict[str, Any]:
         """One garbage collection pass; returns what it found and freed."""
         self._check_open()
-        return gcmod.collect(self, min_age=min_age, dry_run=dry_run)
+        return gcmod.collect(self, self._journal, self._packs, min_age=min_age, dry_run=dry_run)
 
     def gc_blocked(self) -> str | None:
         """Why GC cannot run now, if it cannot."""

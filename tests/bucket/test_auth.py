@@ -188,11 +188,11 @@ def test_an_altered_pack_is_refused_on_a_cold_read(bucket_url: str, tmp_path: Pa
         assert e is not None and e.ref is not None
         block = FileNode.decode(s.get_object(e.ref)).blocks[0]
         loc = s._indexer.locate(block)
-        assert loc is not None and loc[0] in s._tier.remote and loc[0] not in s._tier._local
-        name = s._tier.remote[loc[0]][0]
+        assert loc is not None and loc.pack in s._tier.remote and loc.pack not in s._tier._local
+        name = s._tier.remote[loc.pack][0]
     raw = Bucket(bucket_url)
     data = bytearray(raw.get_stored(name))
-    at = loc[1] + loc[2] // 2
+    at = loc.offset + loc.length // 2
     data[HEADER.size + at // CHUNK * (CHUNK + TAG) + at % CHUNK] ^= 0x01
     raw.delete(name)
     raw.put_new(name, bytes(data))

@@ -29,6 +29,7 @@ import blake3
 
 from strata.engine.bucket import frame_record, open_record
 from strata.engine.errors import Corrupt
+from strata.engine.index import Loc
 
 CHECKPOINT_MAGIC = b"STRC"
 CHECKPOINT_VERSION = 3           # 3: `policies`; 2: `expired`, the snapshots GC removed
@@ -39,7 +40,6 @@ RUN_HEAD = 5
 ENTRY = struct.Struct("<32sIQIB")  # id, pack number, frame offset, frame length, kind
 BLOCK_ENTRIES = 1024
 BLOCK_BYTES = BLOCK_ENTRIES * ENTRY.size + 32  # a full block and its hash
-Loc = tuple[int, int, int, int]
 
 
 @dataclass(slots=True)
@@ -157,8 +157,8 @@ class RunReader:
             raise Corrupt(self.name, start, f"index block {i} is damaged or short")
         out = []
         for k in range(n):
-            oid, *loc = ENTRY.unpack_from(body, k * ENTRY.size)
-            out.append((oid, (loc[0], loc[1], loc[2], loc[3])))
+            oid, pack, offset, length, kind = ENTRY.unpack_from(body, k * ENTRY.size)
+            out.append((oid, Loc(pack, offset, length, kind)))
         return out
 
     def lookup(self, oid: bytes) -> tuple[Loc | None, list[tuple[bytes, Loc]]]:

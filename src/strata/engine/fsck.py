@@ -13,7 +13,8 @@ from typing import Any
 
 from strata.engine import pack as packfmt
 from strata.engine.errors import Corrupt
-from strata.engine.indexer import Indexer, Loc
+from strata.engine.index import Loc
+from strata.engine.indexer import Indexer
 from strata.engine.journal import Journal
 from strata.engine.objects import (
     BLOCK,
@@ -88,7 +89,7 @@ def fsck(packs: PackStore, journal: Journal, refs: Refs, indexer: Indexer,
                 continue
             report["objects"] += 1
             # The newest copy wins, as in the index (compaction copies objects forward).
-            located[oid] = (number, rec.offset, rec.length, kind)
+            located[oid] = Loc(number, rec.offset, rec.length, kind)
     for oid, loc in indexer.index.iter_objects():
         if located.get(oid) != loc:
             report["index_mismatch"] += 1
@@ -113,7 +114,7 @@ def fsck(packs: PackStore, journal: Journal, refs: Refs, indexer: Indexer,
                 report.setdefault("unindexed", [])
                 if len(report["unindexed"]) < 5:
                     report["unindexed"].append({"object": oid.hex(),
-                                                "kind": KIND_NAMES[located[oid][3]]})
+                                                "kind": KIND_NAMES[located[oid].kind]})
             else:
                 report["collected"] = report.get("collected", 0) + 1
     report["ok"] = not (report["damaged"] or report["missing"] or report["index_mismatch"]

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 from strata.engine import pack as packfmt
 from strata.engine.errors import InvalidInput, NotFound, Unavailable
-from strata.engine.index import Index
+from strata.engine.index import Index, Loc
 from strata.engine.interface import Lease, SnapshotInfo
 from strata.engine.journal import Journal
 from strata.engine.objects import FILENODE, SNAPSHOT, TREE, references
@@ -436,11 +436,11 @@ def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report
         _mark(store, again - roots, live)
         _mark_nodes(store, store.upload_pins() | young_pins, live)
         store.sync_index()
-        candidates: dict[bytes, tuple[int, int, int, int]] = {}
+        candidates: dict[bytes, Loc] = {}
         live_bytes: dict[int, int] = {}
         for oid, loc in store.index.iter_objects():
-            if oid in live or (loc[0], loc[1]) >= start:
-                live_bytes[loc[0]] = live_bytes.get(loc[0], 0) + loc[2]
+            if oid in live or (loc.pack, loc.offset) >= start:
+                live_bytes[loc.pack] = live_bytes.get(loc.pack, 0) + loc.length
             else:
                 candidates[oid] = loc
         report.objects_live = len(live)
@@ -457,18 +457,18 @@ def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report
                 f"deleted before one pin lifetime ({PIN_LIFETIME:g} s)")
             doomed = []
         report.objects_deleted = len(doomed)
-        report.bytes_freed = sum(candidates[o][2] for o in doomed)
-        expired = [o for o in doomed if candidates[o][3] == SNAPSHOT]
+        report.bytes_freed = sum(candidates[o].length for o in doomed)
+        expired = [o for o in doomed if candidates[o].kind == SNAPSHOT]
         report.snapshots_expired = len(expired)
         if not dry_run and doomed:
             store.forget(doomed, expired)
     # Unreachable but not old enough yet: still indexed, so their packs stay whole.
     waiting: dict[int, int] = {}
     for oid in set(candidates) - set(doomed):
-        n = candidates[oid][0]
-        waiting[n] = waiting.get(n, 0) + candidates[oid][2]
+        loc = candidates[oid]
+        waiting[loc.pack] = waiting.get(loc.pack, 0) + loc.length
     report.live_bytes = sum(live_bytes.values())
-    report.dead_bytes = sum(loc[2] for loc in candidates.values())
+    report.dead_bytes = sum(loc.length for loc in candidates.values())
 
     # 5.-6. compaction and deferred deletion
     active = journal.end()[0]
@@ -570,12 +570,12 @@ def _compact(store: Collectable, journal: Journal, packs: PackStore,
     """
     batch: list[tuple[bytes, int, bytes]] = []
     for oid, loc in store.index.iter_objects():
-        if loc[0] not in numbers:
+        if loc.pack not in numbers:
             continue
-        frame = packs.pread(loc[0], loc[2], loc[1])
-        if len(frame) != loc[2]:
-            raise NotFound(f"pack {packfmt.pack_name(loc[0])} is shorter than its index says")
-        batch.append((oid, loc[3], frame[packfmt.SYNC_SIZE:]))
+        frame = packs.pread(loc.pack, loc.length, loc.offset)
+        if len(frame) != loc.length:
+            raise NotFound(f"pack {packfmt.pack_name(loc.pack)} is shorter than its index says")
+        batch.append((oid, loc.kind, frame[packfmt.SYNC_SIZE:]))
         if len(batch) >= 256:
             journal.wait_durable(journal.copy_objects(batch))
             batch = []

@@ -15,7 +15,8 @@ import shutil
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple, cast
 
 import lmdb
 
@@ -24,7 +25,24 @@ LOC = struct.Struct("<IQIB")  # pack number, frame offset, frame length, object 
 POS = struct.Struct("<IQ")    # pack number, offset
 # fencing token, expiry (ns since the epoch), hash of the lease id (zeros: none); holder follows
 LEASE = struct.Struct("<QQ16s")
-Loc = tuple[int, int, int, int]
+
+
+class Loc(NamedTuple):
+    """Where an object's frame is: the one definition, read by field name everywhere.
+
+    Stored as `LOC` in the index and as an entry of a checkpoint's index run
+    (docs/format.md); the field order is the stored order.
+    """
+
+    pack: int    # pack number
+    offset: int  # where the frame starts (its sync marker) in the pack
+    length: int  # the frame's bytes, marker included
+    kind: int    # object kind (engine/objects.py)
+
+
+# A Loc from an unpacked LOC without NamedTuple's argument handling: index lookups and
+# scans make one per entry (about 80 ns here against 160 ns for `Loc(*t)`).
+_loc = cast("Callable[[tuple[Any, ...]], Loc]", partial(tuple.__new__, Loc))
 
 
 class Index:
@@ -62,22 +80,27 @@ class Index:
 
     # -- reads (MVCC: never wait on the writer) ---------------------------------
 
-    def locate(self, oid: bytes) -> tuple[int, int, int, int] | None:
+    def locate(self, oid: bytes) -> Loc | None:
         with self.env.begin(db=self.objects, buffers=False) as txn:
             v = txn.get(oid)
-        return LOC.unpack(v) if v is not None else None
+        return _loc(LOC.unpack(v)) if v is not None else None
+
+    def contains(self, oid: bytes) -> bool:
+        """Whether `oid` is indexed: `locate` without making its Loc (uploads ask this a lot)."""
+        with self.env.begin(db=self.objects) as txn:
+            return txn.get(oid) is not None
 
     def locate_many(self, oids: Iterable[bytes]) -> list[bool]:
         with self.env.begin(db=self.objects) as txn:
             return [txn.get(o) is not None for o in oids]
 
-    def prefix(self, start: bytes) -> Iterator[tuple[bytes, tuple[int, int, int, int]]]:
+    def prefix(self, start: bytes) -> Iterator[tuple[bytes, Loc]]:
         with self.env.begin(db=self.objects) as txn:
             cur = txn.cursor()
             if not cur.set_range(start):
                 return
             for k, v in cur:
-                yield bytes(k), LOC.unpack(v)
+                yield bytes(k), _loc(LOC.unpack(v))
 
     def applied(self) -> tuple[int, int] | None:
         with self.env.begin(db=self.meta) as txn:
@@ -119,10 +142,11 @@ class Index:
         with self.env.begin(db=self.objects) as txn:
             return int(txn.stat(self.objects)["entries"])
 
-    def iter_objects(self) -> Iterator[tuple[bytes, tuple[int, int, int, int]]]:
+    def iter_objects(self) -> Iterator[tuple[bytes, Loc]]:
+        unpack, make = LOC.unpack, _loc  # locals: a scan makes one per object
         with self.env.begin(db=self.objects) as txn:
             for k, v in txn.cursor():
-                yield bytes(k), LOC.unpack(v)
+                yield bytes(k), make(unpack(v))
 
     def checkpoint_tables(self, take_objects: Callable[[Iterator[tuple[bytes, Loc]]], Any]
                           ) -> tuple[Any, dict[str, Any]]:
@@ -132,7 +156,7 @@ class Index:
         -> id), refs, and the leases table's raw rows.
         """
         with self.env.begin() as txn:
-            got = take_objects((bytes(k), LOC.unpack(v))
+            got = take_objects((bytes(k), _loc(LOC.unpack(v)))
                                for k, v in txn.cursor(db=self.objects))
             v = txn.get(b"applied", db=self.meta)
             tables = {
@@ -170,7 +194,7 @@ class Index:
             for oid, loc in entries:
                 txn.put(oid, LOC.pack(*loc), overwrite=False)
 
-    def apply(self, objects: list[tuple[bytes, tuple[int, int, int, int]]],
+    def apply(self, objects: list[tuple[bytes, Loc]],
               ops: list[list[Any]], applied: tuple[int, int]) -> None:
         """Write a batch of replayed records and the position they reach, atomically.
 

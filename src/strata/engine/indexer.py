@@ -16,11 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from strata.engine.errors import StrataError
-from strata.engine.index import Index
+from strata.engine.index import Index, Loc
 from strata.engine.reach import Reach
 
 Pos = tuple[int, int]
-Loc = tuple[int, int, int, int]  # pack number, frame offset, frame length, object kind
 
 
 class Indexer:
@@ -56,7 +55,9 @@ class Indexer:
         return loc
 
     def has(self, oid: bytes) -> bool:
-        return self.locate(oid) is not None
+        if oid in self.recent or self.index.contains(oid):
+            return True
+        return self.fallback is not None and self.locate(oid) is not None
 
     def appended_object(self, end: Pos, oid: bytes, loc: Loc) -> None:
         self.recent[oid] = loc

@@ -24,6 +24,7 @@ from typing import Any
 
 from strata.engine import pack as packfmt
 from strata.engine.errors import InvalidInput, StoreFailed, Unavailable
+from strata.engine.index import Loc
 from strata.engine.indexer import Indexer
 from strata.engine.objects import KIND_NAMES, object_id, packb
 from strata.engine.packstore import PackStore, PackWriter
@@ -157,8 +158,8 @@ class Journal:
         data = b"".join(sync + f[2] for f in todo) + (sync + tail if tail else b"")
         number, offset = self._append(data)
         for oid, kind, frame in todo:
-            loc = (number, offset, len(sync) + len(frame), kind)
-            offset += loc[2]
+            loc = Loc(number, offset, len(sync) + len(frame), kind)
+            offset += loc.length
             self._indexer.appended_object((number, offset), oid, loc)
         self.stats["objects_written"] += len(todo)
         return number, offset

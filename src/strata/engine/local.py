@@ -317,16 +317,17 @@ class LocalStore(Store):
                 raise Expired(f"snapshot {oid.hex()} expired (retention policy; "
                               "garbage collection removed it)")
             raise no_object(oid)
-        frame = self._packs.pread(loc[0], loc[2], loc[1])
+        frame = self._packs.pread(loc.pack, loc.length, loc.offset)
         try:
             kind, stored_id, raw = packfmt.decode_object(
-                frame, self._packs.info(loc[0]).sync, packfmt.pack_name(loc[0]), loc[1])
+                frame, self._packs.info(loc.pack).sync, packfmt.pack_name(loc.pack), loc.offset)
             if stored_id != oid:
-                raise Corrupt("", loc[1], f"index points at {stored_id.hex()}, not {oid.hex()}")
-            if self._packs.verify_reads(loc[0]) and object_id(kind, raw) != oid:
-                raise Corrupt("", loc[1], f"object {oid.hex()} does not hash to its id")
+                raise Corrupt("", loc.offset,
+                              f"index points at {stored_id.hex()}, not {oid.hex()}")
+            if self._packs.verify_reads(loc.pack) and object_id(kind, raw) != oid:
+                raise Corrupt("", loc.offset, f"object {oid.hex()} does not hash to its id")
         except Corrupt as exc:  # named by where the bytes came from (only when it fails)
-            raise Corrupt(self._packs.label(loc[0]), loc[1], exc.detail) from None
+            raise Corrupt(self._packs.label(loc.pack), loc.offset, exc.detail) from None
         return raw
 
     def reachable(self, volume: str, oids: Sequence[bytes]) -> list[bool]:
@@ -400,12 +401,12 @@ class LocalStore(Store):
                 raise Expired(f"snapshot {oid.hex()} expired (retention policy; "
                               "garbage collection removed it)")
             raise no_object(oid)
-        return packfmt.peek_object_size(partial(self._packs.pread, loc[0]), loc[1],
-                                        self._packs.info(loc[0]).sync)
+        return packfmt.peek_object_size(partial(self._packs.pread, loc.pack), loc.offset,
+                                        self._packs.info(loc.pack).sync)
 
     def object_kind(self, oid: bytes) -> int | None:
         loc = self._indexer.locate(oid)
-        return loc[3] if loc is not None else None
+        return loc.kind if loc is not None else None
 
     def _check_open(self) -> None:
         if self._journal.closed:
@@ -591,7 +592,7 @@ class LocalStore(Store):
         matches: set[str] = set()
         durable = self._journal.durable
         for oid, loc in list(self._indexer.recent.items()):
-            if (loc[3] == SNAPSHOT and (loc[0], loc[1] + loc[2]) <= durable
+            if (loc.kind == SNAPSHOT and (loc.pack, loc.offset + loc.length) <= durable
                     and oid.hex().startswith(prefix)):
                 matches.add(oid.hex())
         start = bytes.fromhex(prefix[: len(prefix) // 2 * 2])
@@ -599,7 +600,7 @@ class LocalStore(Store):
             h = oid.hex()
             if not h.startswith(prefix[: len(start) * 2]):
                 break
-            if loc[3] == SNAPSHOT and h.startswith(prefix):
+            if loc.kind == SNAPSHOT and h.startswith(prefix):
                 matches.add(h)
                 if len(matches) >= limit:
                     break

@@ -14,8 +14,8 @@ from functools import partial
 from typing import Any
 
 from strata.engine import pack as packfmt
-from strata.engine.index import Index
-from strata.engine.indexer import Indexer, Loc
+from strata.engine.index import Index, Loc
+from strata.engine.indexer import Indexer
 from strata.engine.journal import Journal
 from strata.engine.objects import unpackb
 from strata.engine.packstore import PackStore
@@ -81,7 +81,7 @@ def replay(packs: PackStore, index: Index, start: Pos | None, report: dict[str, 
         for rec in result.records:
             if rec.rtype == packfmt.R_OBJECT:
                 kind, oid, _n = packfmt.OBJ_HEAD.unpack_from(rec.payload)
-                objs.append((oid, (number, rec.offset, rec.length, kind)))
+                objs.append((oid, Loc(number, rec.offset, rec.length, kind)))
             elif rec.rtype == packfmt.R_COMMIT:
                 try:
                     ops.extend(unpackb(rec.payload)["ops"])

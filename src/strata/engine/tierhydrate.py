@@ -10,7 +10,7 @@ for that.
 
 from __future__ import annotations
 
-from strata.engine.checkpoint import Loc
+from strata.engine.index import Loc
 from strata.engine.tierstate import TierState
 
 HYDRATE_BLOCKS = 64        # blocks of an inherited index run copied in per background pass

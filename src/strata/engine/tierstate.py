@@ -16,9 +16,9 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from strata.engine.bucket import Bucket, OwnerLog
-from strata.engine.checkpoint import Checkpoint, Loc, RunReader
+from strata.engine.checkpoint import Checkpoint, RunReader
 from strata.engine.errors import StoreFailed
-from strata.engine.index import Index
+from strata.engine.index import Index, Loc
 from strata.engine.packstore import LocalPacks, PackStore
 
 Progress = Callable[[int, int, int], None]  # records done, records in all, bytes so far

@@ -81,7 +81,7 @@ class Store(ABC):
     block_size: int
     node_cache: NodeCache
 
-    def hold(self, sid: str) -> None:  # noqa: B027 - optional: most stores need nothing
+    def protect_base(self, sid: str) -> None:  # noqa: B027 - optional: most stores need nothing
         """A transaction starts from snapshot `sid`: keep it from garbage collection.
 
         For a while, or until a publish from it lands. A no-op by default.
@@ -100,10 +100,10 @@ class Store(ABC):
     def release_pins(self, volume: str, pins: Sequence[str]) -> None:
         raise NotImplementedError
 
-    def held_head(self, volume: str, branch: str) -> str:
-        """The branch's head, held (`hold`) in the same step: no collection between."""
+    def protected_head(self, volume: str, branch: str) -> str:
+        """The branch's head, held (`protect_base`) in the same step: no collection between."""
         sid = self.head(volume, branch)
-        self.hold(sid)
+        self.protect_base(sid)
         return sid
 
     # -- objects -------------------------------------------------------------

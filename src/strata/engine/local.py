@@ -167,9 +167,9 @@ class LocalStore(Store):
         self.gate = gcmod.Gate()
         self.gc_lock = threading.Lock()
         self._opened = time.monotonic()
-        self._touched: dict[bytes, float] = {}  # uploaded or found present: oid -> when
-        self._held: dict[bytes, tuple[int, float]] = {}  # transaction bases: count, when
-        self._touched_guard = threading.Lock()
+        self._uploaded_at: dict[bytes, float] = {}  # uploaded or found present: oid -> when
+        self._bases: dict[bytes, tuple[int, float]] = {}  # transaction bases: count, when
+        self._pins_guard = threading.Lock()
         try:
             self.pins = gcmod.Pins(self.path)
             index = open_index(self.index_dir, self._packs, self.recovery)
@@ -214,7 +214,7 @@ class LocalStore(Store):
                     present.append(oid)
                 else:
                     out.append(oid)
-            self._touch(present)
+            self._pin_uploaded(present)
         return out
 
     def put_objects(self, objects: Sequence[tuple[int, bytes]]) -> list[bytes]:
@@ -225,21 +225,25 @@ class LocalStore(Store):
                 with self._journal.append_lock:
                     self._journal.check_usable()
                     self._journal.append_records_locked(frames)
-            self._touch(ids)  # sent ahead of its publish: pinned until it comes
+            self._pin_uploaded(ids)  # sent ahead of its publish: pinned until it comes
         return ids
 
-    def _touch(self, oids: Sequence[bytes]) -> None:
-        now = time.monotonic()
-        with self._touched_guard:
-            for oid in oids:
-                self._touched[oid] = now
-            if len(self._touched) > 1024 and len(self._touched) % 1024 == 0:
-                self._prune_touched(now)
+    def _pin_uploaded(self, oids: Sequence[bytes]) -> None:
+        """Keep objects a writer uploaded, or was told are present, for `UPLOAD_PIN` seconds.
 
-    def _prune_touched(self, now: float) -> None:
-        old = [o for o, t in self._touched.items() if now - t > gcmod.UPLOAD_PIN]
+        Its publish will name them; garbage collection must not take them first.
+        """
+        now = time.monotonic()
+        with self._pins_guard:
+            for oid in oids:
+                self._uploaded_at[oid] = now
+            if len(self._uploaded_at) > 1024 and len(self._uploaded_at) % 1024 == 0:
+                self._prune_uploaded(now)
+
+    def _prune_uploaded(self, now: float) -> None:
+        old = [o for o, t in self._uploaded_at.items() if now - t > gcmod.UPLOAD_PIN]
         for o in old:
-            del self._touched[o]
+            del self._uploaded_at[o]
 
     def upload_pins(self) -> set[bytes]:
         """What is pinned for transactions in progress.
@@ -248,31 +252,31 @@ class LocalStore(Store):
         and the snapshots transactions started from (until they publish, or a while).
         """
         now = time.monotonic()
-        with self._touched_guard:
-            self._prune_touched(now)
-            for key in [k for k, (_c, t) in self._held.items() if now - t > gcmod.UPLOAD_PIN]:
-                del self._held[key]
-            return set(self._touched) | set(self._held)
+        with self._pins_guard:
+            self._prune_uploaded(now)
+            for key in [k for k, (_c, t) in self._bases.items() if now - t > gcmod.UPLOAD_PIN]:
+                del self._bases[key]
+            return set(self._uploaded_at) | set(self._bases)
 
-    def hold(self, sid: str) -> None:
-        """Count a transaction starting from `sid`; its publish lets go (`_release`)."""
+    def protect_base(self, sid: str) -> None:
+        """Count a transaction starting from `sid`; its publish lets go (`_release_bases`)."""
         try:
             key = bytes.fromhex(sid)
         except ValueError:
             return
-        with self._touched_guard:
-            count, _t = self._held.get(key, (0, 0.0))
-            self._held[key] = (count + 1, time.monotonic())
+        with self._pins_guard:
+            count, _t = self._bases.get(key, (0, 0.0))
+            self._bases[key] = (count + 1, time.monotonic())
 
-    def _release(self, sids: list[str]) -> None:
-        with self._touched_guard:
+    def _release_bases(self, sids: list[str]) -> None:
+        with self._pins_guard:
             for sid in sids:
                 key = bytes.fromhex(sid)
-                count, t = self._held.get(key, (0, 0.0))
+                count, t = self._bases.get(key, (0, 0.0))
                 if count <= 1:
-                    self._held.pop(key, None)
+                    self._bases.pop(key, None)
                 else:
-                    self._held[key] = (count - 1, t)
+                    self._bases[key] = (count - 1, t)
 
     def pin(self, volume: str, sids: Sequence[str], ttl: float, holder: str = "") -> list[str]:
         """Pin snapshots for `ttl` seconds; `holder` is the asking token's id ("": the owner)."""
@@ -297,17 +301,17 @@ class LocalStore(Store):
         for pid in pins:
             self.pins.release(pid)
 
-    def held_head(self, volume: str, branch: str) -> str:
+    def protected_head(self, volume: str, branch: str) -> str:
         with self.gate.shared():  # not between a sweep's roots and its deletions
             sid = self.head(volume, branch)
-            self.hold(sid)
+            self.protect_base(sid)
         return sid
 
-    def _untouch(self, oids: set[bytes]) -> None:
+    def _unpin_uploaded(self, oids: set[bytes]) -> None:
         """A publish named these: they are reachable now, or garbage like any other."""
-        with self._touched_guard:
+        with self._pins_guard:
             for oid in oids:
-                self._touched.pop(oid, None)
+                self._uploaded_at.pop(oid, None)
 
     def get_object(self, oid: bytes) -> bytes:
         self._check_open()
@@ -344,7 +348,7 @@ class LocalStore(Store):
             got = self._indexer.reach.marked(key, oids)
         return got
 
-    def give(self, volume: str, oids: Sequence[bytes]) -> None:
+    def grant_reach(self, volume: str, oids: Sequence[bytes]) -> None:
         """Make objects a writer of `volume` uploaded reachable for it (it has their bytes)."""
         self._indexer.reach.give(volume_key(volume, self.volume_id(volume)), oids)
 
@@ -729,9 +733,9 @@ class LocalStore(Store):
         self._journal.wait_durable(pos)
         for info in made:  # the next publish on the branch reads it as its base
             self.snapshot_cache_put(info)
-        self._untouch({e.ref for cs in changesets for e in cs.changes.values()
+        self._unpin_uploaded({e.ref for cs in changesets for e in cs.changes.values()
                        if isinstance(e, Entry) and e.ref is not None} | named_blocks)
-        self._release([cs.base for cs in changesets])
+        self._release_bases([cs.base for cs in changesets])
         return results, trees.new
 
     def _landed(self, changesets: Sequence[ChangeSet], txid: bytes) -> list[str] | None:

@@ -194,11 +194,11 @@ class Transaction:
         self.store = store
         self.volume = check_volume(volume)
         self.branch = check_branch(branch)
-        self.base = base if base is not None else store.held_head(volume, branch)
+        self.base = base if base is not None else store.protected_head(volume, branch)
         self.content = ContentWriter(store)
         self.trees = Trees(self.content, cache if cache is not None else store.node_cache)
         if base is not None:
-            store.hold(base)  # garbage collection leaves it until our publish lands
+            store.protect_base(base)  # garbage collection leaves it until our publish lands
         self._base_root: Entry | None = store.snapshot(self.base).root
         self.lease: str | None = None  # lease id sent with every publish, if set
         self.identical = False  # accept paths the head already holds as we want them

@@ -381,7 +381,7 @@ async def put_objects(request: web.Request) -> web.Response:
         store.check_tree_refs(objs)
         ids = store.put_objects(objs)
         if volume is not None:
-            store.give(volume, ids)  # the uploader holds these bytes
+            store.grant_reach(volume, ids)  # the uploader holds these bytes
         return ids
 
     ids = await state.run(put)

@@ -28,7 +28,7 @@ import pytest
 from strata.engine import pack as packfmt
 from strata.engine.bucket import Bucket, OwnerLog, decode_record, encode_record, log_name
 from strata.engine.checkpoint import Checkpoint
-from strata.engine.errors import Corrupt, InvalidInput
+from strata.engine.errors import Corrupt, InvalidInput, Unauthentic
 from strata.engine.kinds import K_FILE
 from strata.engine.local import LocalStore, init_store, read_store_meta
 from strata.engine.objects import (
@@ -42,7 +42,7 @@ from strata.engine.objects import (
     object_id,
     packb,
 )
-from strata.engine.seal import CHUNK, HEADER, KEY_FILE, TAG, BucketKey, Header, Unauthentic
+from strata.engine.seal import CHUNK, HEADER, KEY_FILE, TAG, BucketKey, Header
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
 

@@ -5,7 +5,7 @@ Host A serves the store, kept in moto on a third namespace, in strict mode
 B then takes the store over with `serve --bucket URL --takeover`, restoring
 it without a download, and serves publishes of its own. When A's network
 comes back, A's next bucket write finds B's claim, A refuses the publish it
-was holding, and its server stops (exit code 3). Everything either of them
+was holding, and its server stops (exit code 1, Fenced). Everything either of them
 acknowledged is in B's store, and fsck is clean.
 """
 
@@ -112,7 +112,7 @@ def test_split_brain_the_old_owner_is_fenced_and_nothing_acknowledged_is_lost(
         pub_a.stop()
         time.sleep(1.0)
         pub_b.stop()
-        assert rc == 3, a.log.read_text(errors="replace")
+        assert rc == 1, a.log.read_text(errors="replace")
         assert "taken over" in a.log.read_text(errors="replace")
         print(f"A acknowledged {len(pub_a.acked)} ({acked_before_cut} before its network "
               f"was cut), B {len(pub_b.acked)}; takeover (restore + serve) {takeover:.2f} s")

@@ -109,7 +109,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                     idle_exit=args.idle_exit))
     if result.notes:
         print(f"strata: {'; '.join(result.notes)}", file=sys.stderr)
-    return 3 if result.fenced else 0
+    if result.fenced:  # served elsewhere now: the Unavailable family's code, not conflict's
+        from strata.engine.errors import Fenced
+        return Fenced.exit_code
+    return 0
 
 
 def cmd_token_create(args: argparse.Namespace) -> int:

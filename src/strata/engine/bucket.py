@@ -42,7 +42,15 @@ import obstore.exceptions as obx
 from obstore.store import LocalStore as ObLocalStore
 from obstore.store import from_url
 
-from strata.engine.errors import Corrupt, NotFound, StrataError, Unavailable
+from strata.engine.errors import (
+    AlreadyExists,
+    BucketUnavailable,
+    Corrupt,
+    Fenced,
+    NoConditionalWrites,
+    NotFound,
+    Unauthentic,
+)
 from strata.engine.objects import packb, unpackb
 from strata.engine.seal import (
     CHUNK,
@@ -50,7 +58,6 @@ from strata.engine.seal import (
     MAGIC,
     BucketKey,
     Header,
-    Unauthentic,
     sealed_size,
 )
 
@@ -93,28 +100,6 @@ def why(exc: BaseException) -> str:
     return first[:200] + ("..." if len(first) > 200 else "")
 
 
-class BucketUnavailable(Unavailable):
-    """The bucket did not answer (after obstore's retries): nothing was changed by us."""
-
-
-class Exists(StrataError):
-    """A create-only put found the name taken."""
-
-    http_status = 409
-
-
-class Fenced(StrataError):
-    """Another owner took the store over: this one must stop acknowledging writes."""
-
-    http_status = 503
-
-
-class NoConditionalWrites(StrataError):
-    """The backend ignores If-None-Match, so two owners could both write."""
-
-    http_status = 500
-
-
 class Bucket:
     """One bucket prefix. Names are relative to the prefix, `/`-separated.
 
@@ -151,13 +136,13 @@ class Bucket:
         return sealed_size(length) if self.key is not None else length
 
     def put_new(self, name: str, data: bytes) -> None:
-        """Create `name`; `Exists` if it is already there (If-None-Match: *)."""
+        """Create `name`; `AlreadyExists` if it is already there (If-None-Match: *)."""
         if self.key is not None:
             data = self.key.seal(name, data)
         try:
             obstore.put(self._store, name, data, mode="create")
         except _TAKEN:  # some backends answer 412 for If-None-Match, others 409
-            raise Exists(f"bucket object {name} already exists") from None
+            raise AlreadyExists(f"bucket object {name} already exists") from None
         except _FAILED as exc:
             raise BucketUnavailable(f"bucket write of {name} failed: {why(exc)}") from None
 
@@ -291,7 +276,7 @@ class Bucket:
         try:
             try:
                 self.put_new(name, b"second")
-            except Exists:
+            except AlreadyExists:
                 return
             raise NoConditionalWrites(
                 f"the bucket at {self.url} accepted a second create-only write of one "
@@ -453,7 +438,7 @@ class OwnerLog:
         try:
             self.bucket.put_new(name, data)
             return True
-        except Exists:
+        except AlreadyExists:
             pass
         except BucketUnavailable:
             if not self.bucket.exists(name):

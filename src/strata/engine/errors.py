@@ -35,7 +35,7 @@ class Expired(NotFound):
 
 
 class AlreadyExists(StrataError):
-    """A volume or branch of that name already exists."""
+    """A volume or branch of that name already exists (or a bucket object, to a create-only put)."""
 
     exit_code = 1
     http_status = 409
@@ -66,6 +66,27 @@ class Corrupt(StrataError):
         super().__init__(f"corrupt record in {pack} at offset {offset}: {detail}")
 
 
+class Unauthentic(Corrupt):
+    """Bytes read from a bucket that do not verify under the store's key: never used.
+
+    Forged, altered, put back under another name, or sealed with another key.
+    """
+
+    def __init__(self, name: str, offset: int, detail: str) -> None:
+        super().__init__(name, offset, detail)
+        self.args = (f"bucket object {name} fails authentication"
+                     + (f" at offset {offset}" if offset else "") + f": {detail}",)
+
+
+class NoConditionalWrites(StrataError):
+    """The bucket's backend ignores If-None-Match, so two owners could both write.
+
+    Not retried: the bucket (or the proxy in front of it) must be fixed.
+    """
+
+    http_status = 500
+
+
 class Unavailable(StrataError):
     """The store is busy or changing owner; retry later."""
 
@@ -85,6 +106,18 @@ class Locked(Unavailable):
     """
 
     http_status = 423
+
+
+class BucketUnavailable(Unavailable):
+    """The bucket did not answer (after obstore's retries): nothing was changed by us."""
+
+
+class Fenced(Unavailable):
+    """Another owner took the store over: this one must stop acknowledging writes.
+
+    An Unavailable: the store is served elsewhere now, so a client retries
+    (and finds the new owner); the fenced server exits with this exit code.
+    """
 
 
 class Forbidden(StrataError):

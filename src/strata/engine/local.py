@@ -41,6 +41,7 @@ from strata.engine.errors import (
     Conflict,
     Corrupt,
     Expired,
+    Fenced,
     Forbidden,
     InvalidInput,
     Locked,
@@ -892,7 +893,6 @@ class LocalStore(Store):
         """Why this process may no longer write the store, if another owner took it over."""
         if self._tier is None:
             return None
-        from strata.engine.bucket import Fenced
         failed = self._tier.failed
         return str(failed) if isinstance(failed, Fenced) else None
 

@@ -38,7 +38,7 @@ import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from strata.engine.errors import Corrupt, InvalidInput, NotFound
+from strata.engine.errors import Corrupt, InvalidInput, NotFound, Unauthentic
 
 KEY_FILE = "bucket.key"          # in the store directory, 0600, never uploaded
 KEY_MAGIC = "strata-bucket-key"
@@ -53,18 +53,6 @@ TAG = 16
 ENCRYPTED = 1      # flag bit 0: ChaCha20-Poly1305; clear: keyed BLAKE3 tags, plaintext
 _MAC_CONTEXT = "strata bucket 2025-06 object authentication"
 _ENC_CONTEXT = "strata bucket 2025-06 object encryption"
-
-
-class Unauthentic(Corrupt):
-    """Bytes read from a bucket that do not verify under the store's key: never used.
-
-    Forged, altered, put back under another name, or sealed with another key.
-    """
-
-    def __init__(self, name: str, offset: int, detail: str) -> None:
-        super().__init__(name, offset, detail)
-        self.args = (f"bucket object {name} fails authentication"
-                     + (f" at offset {offset}" if offset else "") + f": {detail}",)
 
 
 def sealed_size(length: int, chunk: int = CHUNK) -> int:

@@ -66,8 +66,9 @@ import threading
 import time
 from typing import Any
 
-from strata.engine.bucket import Bucket, BucketUnavailable, Fenced, OwnerLog
+from strata.engine.bucket import Bucket, OwnerLog
 from strata.engine.checkpoint import Checkpoint
+from strata.engine.errors import BucketUnavailable, Fenced
 from strata.engine.index import Index
 from strata.engine.packstore import LocalPacks, PackWriter
 from strata.engine.tiercheckpoints import CHECKPOINT_INTERVAL, Checkpoints, pack_object_name

@@ -16,8 +16,8 @@ import os
 import time
 
 from strata.engine import pack as packfmt
-from strata.engine.bucket import BucketUnavailable
 from strata.engine.checkpoint import Checkpoint, encode_run
+from strata.engine.errors import BucketUnavailable
 from strata.engine.storedir import write_durably
 from strata.engine.tierstate import TIER_CHECKPOINT, TIER_STATE, TierState
 

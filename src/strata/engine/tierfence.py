@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from strata.engine.bucket import BucketUnavailable
+from strata.engine.errors import BucketUnavailable
 from strata.engine.tierstate import TierState
 
 FENCE_CHECK_INTERVAL = 1.0  # an idle owner looks for a successor's claim this often

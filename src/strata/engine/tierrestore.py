@@ -18,9 +18,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from strata.engine.bucket import Bucket, Exists, OwnerLog, log_name
+from strata.engine.bucket import Bucket, OwnerLog, log_name
 from strata.engine.checkpoint import Checkpoint
-from strata.engine.errors import Corrupt, InvalidInput, NotFound, StrataError
+from strata.engine.errors import AlreadyExists, Corrupt, InvalidInput, NotFound, StrataError
 from strata.engine.index import Index
 from strata.engine.packstore import LocalPacks
 from strata.engine.seal import KEY_FILE, BucketKey, read_key_file
@@ -114,7 +114,7 @@ def bucket_meta(bucket: Bucket, store_id: str, block_size: int) -> None:
     try:
         bucket.put_new(BUCKET_META, json.dumps(fields, sort_keys=True).encode())
         return
-    except Exists:
+    except AlreadyExists:
         pass
     theirs = read_meta(bucket)
     if theirs["store_id"] != store_id:

@@ -15,8 +15,7 @@ import threading
 import time
 
 from strata.engine import pack as packfmt
-from strata.engine.bucket import BucketUnavailable
-from strata.engine.errors import StoreFailed
+from strata.engine.errors import BucketUnavailable, StoreFailed
 from strata.engine.packstore import PackWriter
 from strata.engine.tierstate import Chunk, TierState
 

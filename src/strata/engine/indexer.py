@@ -11,6 +11,7 @@ reach table), because rebuilding the index replaces them together.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 from strata.engine.errors import StrataError
 from strata.engine.index import Index, Loc
 from strata.engine.reach import Reach
+
+log = logging.getLogger(__name__)
 
 Pos = tuple[int, int]
 
@@ -83,9 +86,11 @@ class Indexer:
             try:
                 self.flush()
                 also()
-            except StrataError:
+            except StrataError as exc:  # the store refuses (failed, closing): next round
+                log.warning("indexer: %s", exc, exc_info=True)
                 continue
             except Exception as exc:  # keep serving reads; report through fsck
+                log.error("indexer: writing the index failed: %s", exc, exc_info=True)
                 errs = self._report.setdefault("indexer_errors", [])
                 errs.append(str(exc))
                 del errs[:-10]

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -87,6 +88,8 @@ from strata.engine.tierrestore import (
 )
 from strata.engine.tiership import SHIP_BYTES, SHIP_INTERVAL, Shipping, TierWriter
 from strata.engine.tierstate import BUCKET_FORMAT, BUCKET_META, TIER_CHECKPOINT, TIER_STATE
+
+_log = logging.getLogger(__name__)  # `_log`: `self.log` is the owner log
 
 __all__ = [
     "BUCKET_FORMAT", "BUCKET_META", "TIER_CHECKPOINT", "TIER_STATE", "TieredPacks",
@@ -116,6 +119,9 @@ class TieredPacks(Shipping, Checkpoints, Hydration, FenceWatch, Eviction, Window
                 self._uploads.append(n)
             elif not self._clean_at_open:
                 self._reship(n)
+        _log.info("bucket tier attached to %s: epoch %s, %d pack(s) to upload, %d local, "
+                  "%d in the bucket", self.bucket.url, self.log.epoch, len(self._uploads),
+                  len(self._local), len(self.remote))
         self._thread = threading.Thread(target=self._loop, name="strata-tier", daemon=True)
         self._thread.start()
         self._fence_thread = threading.Thread(target=self._watch_successor,
@@ -127,10 +133,19 @@ class TieredPacks(Shipping, Checkpoints, Hydration, FenceWatch, Eviction, Window
         while not self._stop.wait(pause):
             try:
                 self._work()
+                if pause > 0.1:
+                    _log.info("the bucket answers again; shipping resumes")
                 pause = 0.1
             except BucketUnavailable:
-                pause = min(pause * 2, 2.0)  # an outage: try again, less often
+                # An outage: try again, less often. Its first failure is logged whole,
+                # the retries briefly (one a second or two for as long as it lasts).
+                if pause == 0.1:
+                    _log.warning("the bucket is unavailable; retrying", exc_info=True)
+                else:
+                    _log.debug("the bucket is still unavailable", exc_info=True)
+                pause = min(pause * 2, 2.0)
             except BaseException as exc:  # noqa: BLE001 - a fenced or broken tier stops
+                _log.error("the bucket tier stopped: %s", exc, exc_info=True)
                 if self.failed is None:
                     self.failed = exc
 
@@ -259,11 +274,14 @@ class TieredPacks(Shipping, Checkpoints, Hydration, FenceWatch, Eviction, Window
             self._thread.join()
         # The fence watcher may be in a retry; it is a daemon and only reads.
         if self.failed is None:
-            with contextlib.suppress(Exception):
+            try:
                 self.flush()
                 if not self._pending:  # every byte written is in the bucket
                     self._clean = True
                     self._save_state()
+            except Exception:  # noqa: BLE001 - the next open reships what is not there
+                _log.warning("the bucket tier could not ship everything at close; the "
+                             "next open ships it again", exc_info=True)
         self.local.close()
 
 

@@ -12,6 +12,7 @@ bucket back.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -20,6 +21,8 @@ from strata.engine.checkpoint import Checkpoint, encode_run
 from strata.engine.errors import BucketUnavailable
 from strata.engine.storedir import write_durably
 from strata.engine.tierstate import TIER_CHECKPOINT, TIER_STATE, TierState
+
+_log = logging.getLogger(__name__)  # `_log`: `self.log` is the owner log
 
 CHECKPOINT_INTERVAL = 2.0  # seconds between checkpoints while the store changes
 
@@ -58,6 +61,7 @@ class Checkpoints(TierState):
             self._changed = True
         self.stats["packs_uploaded"] += 1
         self.stats["bytes_uploaded"] += size
+        _log.info("uploaded pack %d (%d bytes) as %s", number, size, name)
 
     def _upload_queued(self) -> None:
         while True:
@@ -105,6 +109,8 @@ class Checkpoints(TierState):
             except BucketUnavailable:
                 raise
             except BaseException as exc:
+                _log.error("checkpoint %s could not enter the log: %s; the bucket tier stops",
+                           name, exc, exc_info=True)
                 self.failed = exc
                 raise
         with self._lock:
@@ -117,6 +123,8 @@ class Checkpoints(TierState):
         self._checkpointed_at = time.monotonic()
         self.stats["checkpoints"] += 1
         self.stats["last_checkpoint"] = time.time()
+        _log.info("checkpoint %s: applied %s, %d pack(s) in the bucket, log from %d",
+                  name, tuple(tables["applied"]), len(remote), log_from)
         return name
 
     def _save_state(self, checkpoint: bytes | None = None) -> None:
@@ -139,6 +147,9 @@ class Checkpoints(TierState):
             try:
                 self.bucket.delete(name)
                 self.stats["packs_deleted"] += 1
+                _log.info("deleted %s: no checkpoint in the log names it", name)
             except BucketUnavailable:
+                _log.warning("could not delete %s; trying again next pass", name,
+                             exc_info=True)
                 with self._lock:
                     self._doomed.append((name, -1))  # again next time

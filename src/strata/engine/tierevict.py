@@ -9,10 +9,13 @@ read again and again from the bucket is fetched back whole (`_fetch_back`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 
 from strata.engine.tierstate import TierState
+
+_log = logging.getLogger(__name__)  # `_log`: `self.log` is the owner log
 
 EVICT_INTERVAL = 1.0       # seconds between checks of the local budget
 
@@ -45,6 +48,9 @@ class Eviction(TierState):
             self.stats["evicted"] += 1
             self.stats["evicted_bytes"] += sizes.get(n, 0)
             dropped.append(n)
+        if dropped:
+            _log.info("evicted %d pack(s) to fit the %d-byte budget: %s", len(dropped), budget,
+                      dropped)
         return dropped
 
     def _fetch_back(self, number: int) -> None:
@@ -53,6 +59,7 @@ class Eviction(TierState):
                 return
         self._download(number)
         self.stats["fetched_back"] += 1
+        _log.info("fetched pack %d back from the bucket (read again and again)", number)
 
     @contextlib.contextmanager
     def _using(self, number: int) -> Iterator[bool]:

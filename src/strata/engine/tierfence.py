@@ -9,10 +9,13 @@ failed; the journal then refuses to acknowledge anything more.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from strata.engine.errors import BucketUnavailable
 from strata.engine.tierstate import TierState
+
+_log = logging.getLogger(__name__)  # `_log`: `self.log` is the owner log
 
 FENCE_CHECK_INTERVAL = 1.0  # an idle owner looks for a successor's claim this often
 
@@ -34,8 +37,11 @@ class FenceWatch(TierState):
             try:
                 self.log.check_owner()
             except BucketUnavailable:
+                # Shipping logs the outage; here it only delays the check.
+                _log.debug("fence check: the bucket is unavailable", exc_info=True)
                 continue
             except BaseException as exc:  # noqa: BLE001 - fenced (or broken): stop
+                _log.error("fence check: %s; the bucket tier stops", exc, exc_info=True)
                 if self.failed is None:
                     self.failed = exc
                 return

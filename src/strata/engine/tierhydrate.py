@@ -10,8 +10,12 @@ for that.
 
 from __future__ import annotations
 
+import logging
+
 from strata.engine.index import Loc
 from strata.engine.tierstate import TierState
+
+_log = logging.getLogger(__name__)  # `_log`: `self.log` is the owner log
 
 HYDRATE_BLOCKS = 64        # blocks of an inherited index run copied in per background pass
 
@@ -37,6 +41,7 @@ class Hydration(TierState):
             return True
         self._inherited_index, self._hydrating, self._hydrated = None, None, run.name
         self._save_state()
+        _log.info("the local index holds all of %s (%d entries)", run.name, run.entries)
         return False
 
     def locate(self, oid: bytes) -> tuple[Loc | None, list[tuple[bytes, Loc]]]:

@@ -11,6 +11,7 @@ Reading segments back is restore's job (engine/tierrestore.py).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -18,6 +19,8 @@ from strata.engine import pack as packfmt
 from strata.engine.errors import BucketUnavailable, StoreFailed
 from strata.engine.packstore import PackWriter
 from strata.engine.tierstate import Chunk, TierState
+
+_log = logging.getLogger(__name__)  # `_log`: `self.log` is the owner log
 
 SHIP_INTERVAL = 0.5        # default mode: seconds between segment records
 SHIP_BYTES = 8 << 20       # ... or sooner once this much is pending
@@ -74,6 +77,8 @@ class Shipping(TierState):
                             self._first_seq.setdefault(n, seq)
                     self.stats["segments"] += 1
                     self.stats["segment_bytes"] += size
+                    _log.debug("shipped log record %d: %d chunk(s), %d bytes", seq,
+                               len(part), size)
             except BucketUnavailable as exc:
                 # An outage: keep the chunks, in order, for the next try. Strict mode's
                 # publish is not acknowledged (it may land once the bucket is back, so a
@@ -84,8 +89,10 @@ class Shipping(TierState):
                     if self._pending_since is None:
                         self._pending_since = since
                 self.stats["outages"] += 1
+                _log.debug("shipping: %d chunk(s) kept for the next try", len(todo))
                 raise BucketUnavailable(f"the bucket is unavailable: {exc}") from exc
             except BaseException as exc:
+                _log.error("shipping failed: %s; the bucket tier stops", exc, exc_info=True)
                 self.failed = exc
                 raise StoreFailed(f"the bucket tier stopped: {exc}") from exc
             self._shipped_at = time.monotonic()

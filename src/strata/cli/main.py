@@ -33,6 +33,7 @@ COMMANDS = {
     "put": "write", "rm": "write", "import": "write", "export": "write",
     "serve": "serve", "token": "serve",
     "mount": "mount", "commit": "mount", "status": "mount", "unmount": "mount",
+    "reload": "mount",
     "run": "run", "watch": "watch", "ui": "watch", "workspace": "workspace",
 }
 

@@ -36,7 +36,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +54,9 @@ PIN_LIFETIME = 120.0           # pins must be renewed within this
 MAX_PINS = 100_000         # the owner's own pins (its mounts and steps)
 TOKEN_PINS = 4_096         # one token's pins at once
 ALL_TOKEN_PINS = 50_000    # every token's together: never the owner's share
+# (done, total, phase): the phases of one pass as they start, for a caller that shows them.
+GcProgress = Callable[[int, int, str], None]
+PHASES = ("expiring branches", "marking", "sweeping", "compacting")
 UPLOAD_PIN = 600.0             # objects uploaded or found present stay this long unpublished
 COMPACT_BELOW = 0.5            # a sealed pack under this fraction live is compacted
 POLICIES = "policies.json"     # where policies lived before the journal held them
@@ -344,14 +347,14 @@ class Report:
 
 
 def collect(store: LocalStore, *, min_age: float = DEFAULT_MIN_AGE,
-            dry_run: bool = False) -> dict[str, Any]:
+            dry_run: bool = False, progress: GcProgress | None = None) -> dict[str, Any]:
     """One GC pass over `store` (see the module docstring); returns its report."""
     if min_age < 0:
         raise InvalidInput("min age cannot be negative")
     with store.gc_lock:
         report = Report(dry_run=dry_run, min_age=min_age)
         t0 = time.monotonic()
-        _pass(store, report, min_age, dry_run)
+        _pass(store, report, min_age, dry_run, progress or (lambda _d, _t, _p: None))
         report.seconds = round(time.monotonic() - t0, 4)
         out = report.as_dict()
         if not dry_run:
@@ -359,7 +362,8 @@ def collect(store: LocalStore, *, min_age: float = DEFAULT_MIN_AGE,
         return out
 
 
-def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> None:
+def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool,
+          progress: GcProgress) -> None:
     blocked = store.gc_blocked()
     if blocked is not None:
         raise Unavailable(blocked)
@@ -370,6 +374,7 @@ def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> N
     now = time.time()
 
     # 1. expire temporary branches
+    progress(0, len(PHASES), PHASES[0])
     for vol in store.list_volumes():
         for br, head in sorted(store.list_branches(vol).items()):
             if not br.startswith(TEMP_PREFIXES):
@@ -383,12 +388,14 @@ def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> N
                         store.delete_branch(vol, br)
 
     # 2.-3. roots and mark
+    progress(1, len(PHASES), PHASES[1])
     live: set[bytes] = set()
     roots = _roots(store, now, report, skip=set(report.branches_expired) if dry_run else set())
     _mark(store, roots, live)
     report.snapshots_retained = len(roots)
 
     # 4. sweep (publishes wait for the short final part)
+    progress(2, len(PHASES), PHASES[2])
     young_pins = store.upload_pins()
     # Pins an earlier owner granted are not known here: wait them out. Without any
     # (a clean close with none held), only `min_age` shortens the wait after opening.
@@ -434,6 +441,7 @@ def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> N
     report.dead_bytes = sum(loc[2] for loc in candidates.values())
 
     # 5.-6. compaction and deferred deletion
+    progress(3, len(PHASES), PHASES[3])
     active = store._journal.end()[0]
     empty_before = _load_empty(store)
     empty_now: list[int] = []
@@ -462,6 +470,7 @@ def _pass(store: LocalStore, report: Report, min_age: float, dry_run: bool) -> N
     for n in empty_now if not dry_run else empty_now + compact:
         report.packs_pending.append(n)
         report.bytes_pending += store._packs.size(n)
+    progress(len(PHASES), len(PHASES), "done")
 
 
 def _load_empty(store: LocalStore) -> set[int]:

@@ -53,3 +53,15 @@ def test_gc_in_process_draws_its_phases(store: Path) -> None:
     rc, drawn = drawn_on_a_terminal(gc, env)
     assert rc == 0
     assert b"4/4" in drawn, drawn[-500:]  # every phase of the pass, counted
+
+
+def test_serve_stop_draws_on_a_terminal_only(store: Path) -> None:
+    stop = [*STRATA, "--store", str(store), "serve", "--stop"]
+    subprocess.run([*STRATA, "--store", str(store), "ls", "v"], check=True,
+                   capture_output=True)  # a server to stop
+    rc, drawn = drawn_on_a_terminal(stop)
+    assert rc == 0 and b"stopping" in drawn and b"stopped" in drawn, drawn[-500:]
+    subprocess.run([*STRATA, "--store", str(store), "ls", "v"], check=True,
+                   capture_output=True)
+    piped = subprocess.run(stop, capture_output=True, text=True, timeout=60)
+    assert (piped.returncode, piped.stderr) == (0, "stopped\n")

@@ -80,14 +80,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from strata.cli.common import unquote_path
     from strata.cli.show import quote_path
     from strata.engine.errors import Conflict, StrataError
-    from strata.logs import configure_from_args
     args = build_parser(command).parse_args(argv)
     # Names that are not UTF-8 come back out as the bytes they were, as `ls` does.
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="surrogateescape")
     debug = bool(getattr(args, "debug", False))
-    configure_from_args(getattr(args, "log_level", None), bool(getattr(args, "log_json", False)))
+    if getattr(args, "log_level", None) or getattr(args, "log_json", False):
+        from strata.logs import configure_from_args  # only then: logging is no light import
+        configure_from_args(getattr(args, "log_level", None), bool(getattr(args, "log_json",
+                                                                            False)))
     if isinstance(getattr(args, "path", None), str):
         args.path = unquote_path(args.path)  # a name typed as the CLI shows it
     try:

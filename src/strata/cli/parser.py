@@ -14,7 +14,6 @@ from typing import Any
 
 from strata import __version__
 from strata.cli.main import COMMANDS, EPILOG, MODULES
-from strata.logs import LEVELS
 
 
 def _width() -> int:
@@ -64,7 +63,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         help="bearer token for a TCP server (default: $STRATA_TOKEN)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show a traceback on errors")
-    common.add_argument("--log-level", choices=LEVELS, default=argparse.SUPPRESS,
+    # strata.logs.LEVELS, not imported: logging would weigh on every command's start.
+    common.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                        default=argparse.SUPPRESS,
                         help="what the processes this command starts log (default: "
                              "$STRATA_LOG_LEVEL, else info)")
     common.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS,

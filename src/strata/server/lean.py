@@ -48,6 +48,14 @@ from strata.engine.objects import ID_LEN, K_DIR, K_SYMLINK, Entry, FileNode
 from strata.engine.tree import Trees
 from strata.server import app as api
 from strata.server import wire
+from strata.server.bodies import (
+    ANSWER_BUDGET,
+    BODY_BUDGET,
+    MAX_BATCH_ANSWER,
+    MAX_BATCH_GET,
+    BlockingBudget,
+    TooLarge,
+)
 from strata.server.tokens import OWNER
 
 FRAME = struct.Struct(">I")
@@ -57,37 +65,12 @@ LISTED_ENTRY_BYTES = 64  # an entry of a `list` answer without its name, about (
 IO_TIMEOUT = 60.0     # a frame started must arrive within this (an idle connection may wait)
 
 
-class Budget:
-    """Bytes held at once by the stream's requests or answers (threads wait for room)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._cond = threading.Condition()
-
-    @contextlib.contextmanager
-    def hold(self, n: int) -> Iterator[None]:
-        if n < api.LARGE_BODY:
-            yield
-            return
-        n = min(n, self.limit)
-        with self._cond:
-            self._cond.wait_for(lambda: self.used + n <= self.limit)
-            self.used += n
-        try:
-            yield
-        finally:
-            with self._cond:
-                self.used -= n
-                self._cond.notify_all()
-
-
 class LeanServer:
     def __init__(self, state: api.ServerState, listener: socket.socket) -> None:
         self.state = state
         self.listener = listener
-        self.budget = Budget(api.BODY_BUDGET)
-        self.answers = Budget(api.ANSWER_BUDGET)
+        self.budget = BlockingBudget(BODY_BUDGET)
+        self.answers = BlockingBudget(ANSWER_BUDGET)
         self.inflight = 0
         self._cond = threading.Condition()  # guards inflight, connections, closed
         self.connections: set[socket.socket] = set()
@@ -126,7 +109,7 @@ class LeanServer:
                 (length,) = FRAME.unpack(head)
                 if length > wire.MAX_BODY:
                     # The frame cannot be skipped safely: answer, then hang up.
-                    self._answer(conn, api.TooLarge(f"request frame over {wire.MAX_BODY} bytes"))
+                    self._answer(conn, TooLarge(f"request frame over {wire.MAX_BODY} bytes"))
                     return
                 if not self._one(conn, length):
                     return
@@ -206,8 +189,8 @@ class LeanServer:
         """The first objects of `ids` that fit one answer (at least one): as HTTP's batch read."""
         if not ids:
             return []
-        if len(ids) > api.MAX_BATCH_GET:
-            raise InvalidInput(f"at most {api.MAX_BATCH_GET} ids per batch read")
+        if len(ids) > MAX_BATCH_GET:
+            raise InvalidInput(f"at most {MAX_BATCH_GET} ids per batch read")
         return self._read_fitting(self.state.need_store(), ids, 0, answer_held)
 
     def _read_fitting(self, store: LocalStore, ids: list[bytes], used: int,
@@ -220,7 +203,7 @@ class LeanServer:
         total, count = used, 0
         for oid in ids:
             n = store.object_size(oid)  # NotFound for an unknown id
-            if total + n > api.MAX_BATCH_ANSWER and (count or used):
+            if total + n > MAX_BATCH_ANSWER and (count or used):
                 break
             total += n
             count += 1
@@ -245,7 +228,7 @@ class LeanServer:
         except (ValueError, TypeError, KeyError, IndexError):
             raise InvalidInput(f"{ref.hex()} is not a file node") from None
         self._served(1, len(raw))
-        want = node.block_ids(offset, end)[:api.MAX_BATCH_GET]
+        want = node.block_ids(offset, end)[:MAX_BATCH_GET]
         return [raw, self._read_fitting(store, want, len(raw), answer_held)]
 
     def _publish(self, body: bytes) -> dict[str, Any]:

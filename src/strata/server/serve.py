@@ -38,7 +38,7 @@ GC_INTERVAL = 600.0  # seconds between background garbage collection passes (0: 
 # aiohttp's keep-alive timeout, which closes a connection whose next request is not
 # complete by then (idle or trickling alike). Its default, an hour, let 3,000
 # half-open requests sit for as long as their clients liked. Bodies have their
-# own timeout (app.BODY_TIMEOUT).
+# own timeout (bodies.BODY_TIMEOUT).
 HEADER_TIMEOUT = 10.0
 
 
@@ -116,7 +116,7 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     state.listens = list(listens)
     app = make_app(state)
     _quiet_bad_requests()
-    # auto_decompress off: a compressed body is never inflated (app.UnsupportedEncoding).
+    # auto_decompress off: a compressed body is never inflated (bodies.UnsupportedEncoding).
     runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False,
                            keepalive_timeout=HEADER_TIMEOUT)
     await runner.setup()

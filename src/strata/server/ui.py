@@ -61,9 +61,9 @@ from strata.engine.names import check_branch, check_hex_id, check_volume, split_
 from strata.engine.objects import ENTRY_KIND_NAMES, K_DIR, K_FILE, K_SYMLINK, Entry, FileNode
 from strata.engine.tree import Trees, decode_name, encode_name
 from strata.server import events as events_mod
+from strata.server.auth import COOKIE
 from strata.server.tokens import Scope
 
-COOKIE = "strata_ui"
 PAGE = 200            # entries in one page of a listing or of history
 MAX_PAGE = 1000
 TEXT_LIMIT = 2 * 1024 * 1024   # bytes of a text file shown
@@ -97,30 +97,6 @@ def _headers(csp: str = PAGE_CSP) -> dict[str, str]:
     return {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff",
             "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY",
             "Cache-Control": "no-store"}
-
-
-def session_scope(request: web.Request, state: Any) -> Scope | None:
-    """The scope of the browser's cookie; None without a valid one (the page says so).
-
-    As for bearer tokens, a token works only for the volume it was made for,
-    not for a later volume of the same name.
-    """
-    token = request.cookies.get(COOKIE)
-    if not token:
-        return None
-    try:
-        scope: Scope = state.tokens.verify(token)
-        if scope.volume is not None:
-            store = state.need_store()
-            try:
-                current = store.volume_id(scope.volume)
-            except NotFound:
-                current = None
-            if current != scope.volume_id:
-                return None
-    except Unauthenticated:
-        return None
-    return scope
 
 
 # -- request parsing --------------------------------------------------------------------

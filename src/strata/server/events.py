@@ -41,16 +41,14 @@ from typing import Any
 
 from aiohttp import web
 
-from strata.engine.errors import Expired, NotFound, StrataError
+from strata.engine.errors import NotFound, StrataError
 from strata.engine.interface import ChangeSet, Store
-from strata.engine.tree import Trees
+from strata.server.history import UNCOUNTED, count_changes, describe_publish, run_of, walk_back
 
 RING = 4096            # events kept in memory
 PARK_SECONDS = 2.0     # the longest a publish waits for its parent's event
-COUNT_LIMIT = 100_000  # diff lines counted per publish before giving up ("truncated")
 CATCHUP_LIMIT = 10_000  # snapshots walked back per branch when catching up
 MAX_PATHS = 100        # conflicting paths carried by one event
-UNCOUNTED = "_uncounted"  # a publish event whose change counts no reader has needed yet
 
 Key = tuple[str, str]  # (volume, branch)
 
@@ -103,12 +101,12 @@ class EventFeed:
         """
         for cs, head in zip(changesets, heads, strict=True):
             self._note("publish", volume=cs.volume, branch=cs.branch, snapshot=head,
-                       message=cs.message, run=_run_of(cs.meta), txid=txid)
+                       message=cs.message, run=run_of(cs.meta), txid=txid)
 
     def note_conflict(self, changesets: Iterable[ChangeSet], paths: list[str]) -> None:
         for cs in changesets:
             self._note("conflict", volume=cs.volume, branch=cs.branch, base=cs.base,
-                       message=cs.message, run=_run_of(cs.meta), paths=paths[:MAX_PATHS],
+                       message=cs.message, run=run_of(cs.meta), paths=paths[:MAX_PATHS],
                        npaths=len(paths))
 
     def note_step(self, volume: str, branch: str, run: str, status: int, *,
@@ -269,50 +267,6 @@ class EventFeed:
                 self._take(child)
 
 
-def _run_of(meta: dict[str, Any]) -> str | None:
-    run = meta.get("run") if isinstance(meta, dict) else None
-    return run if isinstance(run, str) else None
-
-
-def describe_publish(store: Store, sid: str, count_limit: int = COUNT_LIMIT, *,
-                     counts: bool = True) -> dict[str, Any]:
-    """A snapshot as a publish event describes it: parent, message, time, +/-/M counts.
-
-    With `counts=False` the counts are left to `EventFeed.counted` (the event
-    carries UNCOUNTED until then).
-    """
-    info = store.snapshot(sid)
-    out: dict[str, Any] = {"snapshot": sid, "parent": info.parent, "message": info.message,
-                           "snapshot_time": info.time_ns / 1e9, "run": _run_of(info.meta)}
-    if counts:
-        out.update(count_changes(store, sid, count_limit))
-    else:
-        out[UNCOUNTED] = True
-    return out
-
-
-def count_changes(store: Store, sid: str, count_limit: int = COUNT_LIMIT) -> dict[str, Any]:
-    """How many paths a snapshot added, deleted and modified against its parent."""
-    info = store.snapshot(sid)
-    out: dict[str, Any] = {"added": 0, "deleted": 0, "modified": 0}
-    if info.parent is None:
-        return out
-    try:
-        base = store.snapshot(info.parent).root
-    except Expired:
-        out["parent_expired"] = True  # what came before was let go: nothing to compare
-        return out
-    n = 0
-    for _path, old, new in Trees(store, store.node_cache).diff(base, info.root):
-        change = "added" if old is None else "deleted" if new is None else "modified"
-        out[change] += 1
-        n += 1
-        if n >= count_limit:
-            out["truncated"] = True
-            break
-    return out
-
-
 # -- one reader ----------------------------------------------------------------------------
 
 @dataclass
@@ -393,11 +347,7 @@ class Subscription:
             old = self.known.get(key)
             if old == head:
                 continue
-            chain: list[str] = []
-            cur: str | None = head
-            while cur is not None and cur != old and len(chain) < CATCHUP_LIMIT:
-                chain.append(cur)
-                cur = store.snapshot(cur).parent
+            chain, cur = walk_back(store, head, old, CATCHUP_LIMIT)
             if old is None:
                 out.append({"type": "fork", "volume": key[0], "branch": key[1],
                             "snapshot": head, "replayed": True})

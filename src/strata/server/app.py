@@ -202,14 +202,14 @@ async def missing(request: web.Request) -> web.Response:
     ids = wire.decode_ids(await read_body(request))
     store = state.need_store()
 
-    def run() -> list[bytes]:
+    def missing_or_unreachable() -> list[bytes]:
         out = store.missing(ids)  # checks the ids
         if scope.volume is None or not ids:
             return out
         return [oid for oid, ok in zip(ids, store.reachable(scope.volume, ids), strict=True)
                 if not ok]
 
-    out = await state.run(run)
+    out = await state.run(missing_or_unreachable)
     return web.Response(body=wire.encode_ids(out), content_type="application/octet-stream")
 
 
@@ -347,12 +347,12 @@ async def create_volume(request: web.Request) -> web.Response:
         raise Forbidden("only the store owner creates volumes")
     name = body_field(await read_json(request), "name", str)
 
-    def run() -> str:
+    def create_and_announce() -> str:
         head = state.need_store().create_volume(name)
         state.events.note_volume(name, True, head)
         return head
 
-    head = await state.run(run)
+    head = await state.run(create_and_announce)
     return web.json_response({"name": name, "head": head}, status=201)
 
 
@@ -361,11 +361,11 @@ async def delete_volume(request: web.Request) -> web.Response:
     if not scope_of(request).is_owner:
         raise Forbidden("only the store owner deletes volumes")
 
-    def run() -> None:
+    def delete_and_announce() -> None:
         state.need_store().delete_volume(request.match_info["volume"])
         state.events.note_volume(request.match_info["volume"], False)
 
-    await state.run(run)
+    await state.run(delete_and_announce)
     return web.json_response({"deleted": request.match_info["volume"]})
 
 
@@ -409,12 +409,12 @@ async def fork(request: web.Request) -> web.Response:
     if at is not None:
         await _check_visible(request, volume, at)
 
-    def run() -> str:
+    def fork_and_announce() -> str:
         head = state.need_store().fork(volume, name, at=at)
         state.events.note_fork(volume, name, head)
         return head
 
-    head = await state.run(run)
+    head = await state.run(fork_and_announce)
     return web.json_response({"name": name, "head": head}, status=201)
 
 
@@ -424,11 +424,11 @@ async def delete_branch(request: web.Request) -> web.Response:
     branch = check_branch(request.match_info["branch"])
     scope_of(request).check_branch(volume, branch, write=True)
 
-    def run() -> None:
+    def delete_and_announce() -> None:
         state.need_store().delete_branch(volume, branch)
         state.events.note_branch_deleted(volume, branch)
 
-    await state.run(run)
+    await state.run(delete_and_announce)
     return web.json_response({"deleted": branch})
 
 

@@ -315,7 +315,7 @@ async def login(request: web.Request) -> web.Response:
 async def api_volumes(request: web.Request) -> web.Response:
     view = UiRequest(request)
 
-    def run() -> dict[str, Any]:
+    def list_volumes() -> dict[str, Any]:
         store = view.store
         names = store.list_volumes()
         if not view.scope.is_owner:
@@ -333,7 +333,7 @@ async def api_volumes(request: web.Request) -> web.Response:
             out.append({"name": name, "branches": branches})
         return {"volumes": out, "owner": view.scope.is_owner}
 
-    return _json(await view.run(run))
+    return _json(await view.run(list_volumes))
 
 
 def _limit(view: UiRequest) -> int:
@@ -351,7 +351,7 @@ async def api_log(request: web.Request) -> web.Response:
     branch = view.branch(volume)
     limit = _limit(view)
 
-    def run() -> dict[str, Any]:
+    def history_page() -> dict[str, Any]:
         heads = view.heads(volume)
         if branch not in heads:
             raise NotFound(f"no branch {branch!r} in volume {volume!r}")
@@ -377,7 +377,7 @@ async def api_log(request: web.Request) -> web.Response:
                 "entries": entries, "next": entries[-1]["id"] if cur is not None else None,
                 "older_expired": expired}
 
-    return _json(await view.run(run))
+    return _json(await view.run(history_page))
 
 
 # -- directories and files --------------------------------------------------------------
@@ -415,7 +415,7 @@ async def api_tree(request: web.Request) -> web.Response:
     volume = view.volume()
     limit = _limit(view)
 
-    def run() -> dict[str, Any]:
+    def directory_page() -> dict[str, Any]:
         sid = view.snapshot(volume)
         path = view.path()
         store = view.store
@@ -442,14 +442,14 @@ async def api_tree(request: web.Request) -> web.Response:
         return {"path": printable(path), "q": quote(path), "dir": True, "count": count,
                 "entries": items, "next": last}
 
-    return _json(await view.run(run))
+    return _json(await view.run(directory_page))
 
 
 async def api_file(request: web.Request) -> web.StreamResponse:
     view = UiRequest(request)
     volume = view.volume()
 
-    def start() -> tuple[dict[str, Any], Entry, FileNode | None, str]:
+    def describe_entry() -> tuple[dict[str, Any], Entry, FileNode | None, str]:
         sid = view.snapshot(volume)
         path = view.path()
         store = view.store
@@ -468,7 +468,7 @@ async def api_file(request: web.Request) -> web.StreamResponse:
         out["size"] = file_size(e, node)
         return out, e, node, sniff_file(store, e, node)
 
-    out, e, node, kind = await view.run(start)
+    out, e, node, kind = await view.run(describe_entry)
     if not kind:
         return _json(out)
     out["blake3"] = await _hash(view, e, node)
@@ -518,7 +518,7 @@ async def raw(request: web.Request) -> web.StreamResponse:
     view = UiRequest(request)
     volume = view.volume()
 
-    def run() -> tuple[Entry, FileNode | None, str, str]:
+    def open_file() -> tuple[Entry, FileNode | None, str, str]:
         sid = view.snapshot(volume)
         path = view.path()
         e = _resolve(view.store, sid, path)
@@ -527,7 +527,7 @@ async def raw(request: web.Request) -> web.StreamResponse:
         node = file_node(view.store, e)
         return e, node, sniff_file(view.store, e, node), path
 
-    e, node, kind, path = await view.run(run)
+    e, node, kind, path = await view.run(open_file)
     headers = {**_headers(RAW_CSP), "Cache-Control": "private, max-age=3600",
                "Cross-Origin-Resource-Policy": "same-origin"}
     if kind.startswith("image/"):
@@ -581,14 +581,14 @@ async def api_diff(request: web.Request) -> web.StreamResponse:
     view = UiRequest(request)
     volume = view.volume()
 
-    def start() -> Iterator[tuple[str, Entry | None, Entry | None]]:
+    def start_diff() -> Iterator[tuple[str, Entry | None, Entry | None]]:
         a = view.snapshot(volume, "a")
         b = view.snapshot(volume, "b")
         store = view.store
         trees = Trees(store, store.node_cache)
         return trees.diff(store.snapshot(a).root, store.snapshot(b).root)
 
-    lines = await view.run(start)
+    lines = await view.run(start_diff)
     resp = web.StreamResponse(headers={**_headers(), "Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     total = 0

@@ -15,7 +15,7 @@ from typing import Any
 
 from strata.engine.errors import Expired
 from strata.engine.interface import SnapshotInfo, Store
-from strata.engine.tree import Trees
+from strata.engine.tree import Trees, change_kind
 
 COUNT_LIMIT = 100_000  # diff lines counted per publish before giving up ("truncated")
 UNCOUNTED = "_uncounted"  # a publish event whose change counts no reader has needed yet
@@ -57,7 +57,7 @@ def count_changes(store: Store, sid: str, count_limit: int = COUNT_LIMIT) -> dic
         return out
     n = 0
     for _path, old, new in Trees(store, store.node_cache).diff(base, info.root):
-        change = "added" if old is None else "deleted" if new is None else "modified"
+        change = change_kind(old, new)
         out[change] += 1
         n += 1
         if n >= count_limit:
@@ -116,7 +116,7 @@ def rejection(store: Store, heads: dict[str, str], branch: str, diff_limit: int,
     if base is not None:
         for path, old, new in itertools.islice(
                 trees.diff(store.snapshot(base).root, info.root), diff_limit):
-            mine[path] = "added" if old is None else "deleted" if new is None else "modified"
+            mine[path] = change_kind(old, new)
     against: list[tuple[str, list[Touched]]] = []
     for other, ohead in sorted(heads.items()):
         if other == branch or other.startswith("rejected/") or base is None:

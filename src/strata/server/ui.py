@@ -55,7 +55,7 @@ from strata.engine.interface import Store
 from strata.engine.local import LocalStore
 from strata.engine.names import check_branch, check_hex_id, check_volume, split_path
 from strata.engine.objects import ENTRY_KIND_NAMES, K_DIR, K_FILE, K_SYMLINK, Entry, FileNode
-from strata.engine.tree import Trees, decode_name, encode_name
+from strata.engine.tree import Trees, change_kind, decode_name, encode_name
 from strata.server import events as events_mod
 from strata.server.auth import COOKIE
 from strata.server.history import describe_publish, rejection
@@ -601,7 +601,7 @@ async def api_diff(request: web.Request) -> web.StreamResponse:
             total += 1
             if total > DIFF_LIMIT:
                 continue
-            change = "added" if old is None else "deleted" if new is None else "modified"
+            change = change_kind(old, new)
             e = new if new is not None else old
             assert e is not None
             out.append(json.dumps({"path": printable(path), "q": quote(path), "change": change,

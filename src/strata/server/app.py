@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,7 @@ from strata.server.openapi import OPENAPI
 from strata.server.tokens import Scope, TokenStore
 from strata.server.visibility import Visibility
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PREFETCH_MAX = 256 * 1024  # bytes of new tree nodes sent back with a publish
@@ -138,6 +140,9 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
                     state.idle.set()
         return await handler(request)
     except StrataError as exc:
+        if exc.http_status == 500:  # the store's fault, not the client's (Corrupt, ...)
+            log.error("%s %s answered 500: %s", request.method, request.path, exc,
+                      exc_info=exc)
         resp = _error_response(exc)
         if isinstance(exc, TooSlow):
             # Answer, then hang up at once: aiohttp would otherwise linger up to 10 s
@@ -156,6 +161,17 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as exc:
         # OverflowError: float() of a JSON integer of hundreds of digits (a ttl).
         return _error_response(InvalidInput(f"malformed request: {exc}"))
+    except TimeoutError:
+        raise  # aiohttp answers 504
+    except Exception as exc:
+        # aiohttp answers 500; logged here with the request named, and serve.py keeps
+        # aiohttp's own record of the same exception out of the log.
+        log.exception("%s %s answered 500", request.method, request.path)
+        setattr(exc, LOGGED, True)  # noqa: B010 - an attribute no exception class declares
+        raise
+
+
+LOGGED = "_strata_logged"  # set on an exception the middleware has logged
 
 
 # -- handlers ---------------------------------------------------------------------------

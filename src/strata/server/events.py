@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import secrets
 import threading
 import time
@@ -44,6 +45,8 @@ from aiohttp import web
 from strata.engine.errors import NotFound, StrataError
 from strata.engine.interface import ChangeSet, Store
 from strata.server.history import UNCOUNTED, count_changes, describe_publish, run_of, walk_back
+
+log = logging.getLogger(__name__)
 
 RING = 4096            # events kept in memory
 PARK_SECONDS = 2.0     # the longest a publish waits for its parent's event
@@ -176,7 +179,7 @@ class EventFeed:
             try:
                 counts = count_changes(store, sid)
             except StrataError:
-                return out
+                return out  # the snapshot was collected before anyone read it: no counts
             with self._lock:
                 self._counts[sid] = counts
                 while len(self._counts) > self._ring_size:
@@ -200,6 +203,9 @@ class EventFeed:
                 try:
                     self._take(note)
                 except Exception:  # noqa: BLE001 - one bad note must not stop the feed
+                    log.warning("event %s on %s@%s dropped", note.kind,
+                                note.data.get("volume"), note.data.get("branch"),
+                                exc_info=True)
                     continue
             self._flush_overdue()
 
@@ -441,7 +447,7 @@ async def stream(request: web.Request, feed: EventFeed, sub: Subscription,
                 await resp.write(b": ping\n\n")
                 alive()
     except (ConnectionResetError, asyncio.CancelledError):
-        pass
+        pass  # the reader left, or the server is stopping: nobody to tell
     finally:
         undo()
     return resp

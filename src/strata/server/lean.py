@@ -32,6 +32,7 @@ Rules, as on the HTTP side:
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import struct
 import threading
@@ -57,6 +58,8 @@ from strata.server.bodies import (
     TooLarge,
 )
 from strata.server.tokens import OWNER
+
+log = logging.getLogger(__name__)
 
 FRAME = struct.Struct(">I")
 MAX_CONNECTIONS = 256  # connections served at once (a thread each)
@@ -85,9 +88,10 @@ class LeanServer:
         while True:
             try:
                 conn, _addr = self.listener.accept()
-            except OSError:
+            except OSError as exc:
                 if self.closed:
                     return
+                log.debug("lean stream accept failed: %s", exc)
                 time.sleep(0.01)  # EMFILE and the like: try again
                 continue
             with self._cond:
@@ -115,6 +119,10 @@ class LeanServer:
                     return
         except (EOFError, OSError):
             return  # the client hung up, perhaps mid-frame, or stalled: nothing to answer
+        except Exception:
+            # A fault of ours: this connection ends (its client falls back to HTTP), the
+            # others go on.
+            log.exception("lean stream connection failed")
         finally:
             with self._cond:
                 self.connections.discard(conn)
@@ -148,6 +156,8 @@ class LeanServer:
                         result = self._dispatch(body, answer_held)
                 _send(conn, [0, result])
         except StrataError as exc:
+            if exc.http_status == 500:  # the store's fault, not the client's (Corrupt, ...)
+                log.error("lean request answered 500: %s", exc, exc_info=exc)
             self._answer(conn, exc)
             return not (isinstance(exc, Unavailable) and self.state.mode != "serving")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as exc:

@@ -40,6 +40,7 @@ import bisect
 import contextlib
 import itertools
 import json
+import logging
 import os
 import time
 import urllib.parse
@@ -73,6 +74,8 @@ from strata.server.previews import (
     text_lines,
 )
 from strata.server.tokens import Scope
+
+log = logging.getLogger(__name__)
 
 PAGE = 200            # entries in one page of a listing or of history
 MAX_PAGE = 1000
@@ -179,6 +182,7 @@ class UiRequest:
         """`fn` in the executor, in one of this volume's seats, if the client is still there."""
         async with self.shares.seat(self.share):
             if gone(self.request):
+                log.debug("%s: the client left; its work stops", self.request.path)
                 raise ClientGone()
             result: T = await self.state.run(fn, *args)
             return result

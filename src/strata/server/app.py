@@ -1,4 +1,11 @@
-"""The HTTP API over one open store (aiohttp).
+"""The HTTP API over one open store (aiohttp): its routes, its middleware, its shared state.
+
+The middleware asks `auth.py` who is asking, holds large bodies in the body
+budget (`bodies.py`), counts requests in flight for a handoff to drain, and
+turns the engine's errors into answers (a request answered 500 is logged
+with its traceback). The handlers check what the scope allows, then call
+the engine. `publish_now` is the publish both this API and the lean stream
+(`lean.py`) run.
 
 Requests run the engine's blocking calls in a thread pool, so concurrent
 publishes from many clients meet in the engine's group commit exactly as
@@ -6,6 +13,9 @@ in-process threads do. While the server is starting or handing the store to
 a new owner, every store request is answered 503 with Retry-After and the
 client retries by itself. The API is described in `openapi.py` and served at
 `/openapi.json`.
+
+Nothing here reads a tree or a body's bytes by hand: trees are the engine's,
+bodies `bodies.py`'s.
 """
 
 from __future__ import annotations

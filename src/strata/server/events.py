@@ -8,7 +8,8 @@ executor thread that did it; one worker thread turns notes into events:
   snapshot names its parent, the head it replaced, so an event whose parent has
   not been announced yet waits for it (at most `PARK_SECONDS`);
 - it counts what each publish changed (+ added, - deleted, M modified) by
-  diffing the parent's tree with the new one, off the publish path: at once
+  diffing the parent's tree with the new one (`history.count_changes`), off
+  the publish path: at once
   when a reader is listening, else when a reader first reads the event (a
   store nobody watches diffs nothing);
 - it numbers events and keeps the newest `ring` of them in memory.
@@ -24,7 +25,8 @@ Sequence numbers belong to one server process (`epoch`): after a restart or a
 handoff a reader resumes from history the same way.
 
 This module never touches HTTP beyond the SSE answer at the end, and never
-changes the store.
+changes the store. A note that cannot be turned into an event is logged and
+dropped: one bad note must not stop the feed.
 """
 
 from __future__ import annotations

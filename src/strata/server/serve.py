@@ -6,6 +6,10 @@
 renamed over the old path; TCP ports shared through SO_REUSEPORT), answers
 503 "retry" on them, asks the old owner to drain and release the store, then
 opens it. Clients retry through the gap, so no call fails.
+
+It logs (to STORE/serve.log, set up by the CLI) when it serves, takes over,
+hands off and stops; what it prints on the terminal is the CLI's
+(cli/serve.py).
 """
 
 from __future__ import annotations

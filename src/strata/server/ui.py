@@ -1,4 +1,9 @@
-"""The web view at /ui: volumes, branches, history, diffs and files, live as runs publish.
+"""The web view at /ui: its routes and each request's context (`UiRequest`).
+
+It shows volumes, branches, history, diffs and files, live as runs publish.
+What a file holds and how it is shown (text, SQLite, a unified diff) is read
+by `previews.py`; what a snapshot changed and what a rejected run met, by
+`history.py`.
 
 Everything here reads; no route changes a volume, a branch or a token. The
 browser holds a read-only token in an HttpOnly, SameSite=Strict cookie set by

@@ -87,6 +87,7 @@ class ServerState:
         self.answers = ByteBudget(ANSWER_BUDGET)
         self.mode = "starting"      # starting -> serving -> draining -> stopped
         self.inflight = 0
+        self.watchers = 0  # open event streams (server/events.py): they keep it from idling
         self.last_request = time.monotonic()
         self.idle = asyncio.Event()
         self.idle.set()

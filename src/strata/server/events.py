@@ -491,7 +491,14 @@ async def answer(request: web.Request, state: Any, scope: Any) -> web.StreamResp
     sub = Subscription(feed, watch)
 
     def alive() -> None:
-        state.last_request = time.monotonic()  # a watched server does not idle-exit
+        state.last_request = time.monotonic()
 
-    return await stream(request, feed, sub, state.run, lambda: state.store, since, known,
-                        alive)
+    # A watched server does not idle-exit: the stream holds it (not `inflight`, which a
+    # stop or handoff waits to drain).
+    state.watchers += 1
+    try:
+        return await stream(request, feed, sub, state.run, lambda: state.store, since,
+                            known, alive)
+    finally:
+        state.watchers -= 1
+        alive()

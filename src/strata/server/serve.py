@@ -232,7 +232,7 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
         while not done.is_set():
             await asyncio.sleep(min(limit, 1.0))
             quiet = time.monotonic() - state.last_request > limit
-            if quiet and state.inflight == 0 and not lean.busy():
+            if quiet and state.inflight == 0 and state.watchers == 0 and not lean.busy():
                 log.info("no request for %g s: stopping", limit)
                 await on_stop()
                 return

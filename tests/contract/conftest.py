@@ -14,17 +14,14 @@ returns an open store of that kind.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from serverutil import Server
 from strata.engine.interface import Store
 from strata.engine.local import LocalStore, init_store
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serverutil import Server  # noqa: E402
 
 Finalizer = Callable[[Callable[[], object]], None]
 

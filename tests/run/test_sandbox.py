@@ -9,14 +9,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from run_harness import StepEnv
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "workspace"))
-from ws_harness import tiny_root  # noqa: E402
+from ws_harness import tiny_root
 
 SANDBOXES = ["bwrap", pytest.param("gvisor", marks=pytest.mark.skipif(
     shutil.which("runsc") is None, reason="gVisor (runsc) is not installed"))]

@@ -126,7 +126,7 @@ def test_a_step_writes_where_the_callers_files_stand(senv: StepEnv, sandbox: str
     """A redirected stdout under gVisor was written from offset 0, over the caller's lines."""
     import shlex
 
-    from run_harness import STRATA
+    from strata_harness import STRATA
     run = shlex.join([*STRATA, "run", "-v", "v", "--sandbox", sandbox, "--",
                       "sh", "-c", "echo STEP-OUT; echo STEP-ERR >&2"])
     out, err = senv.root / "out", senv.root / "err"

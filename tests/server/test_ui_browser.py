@@ -34,10 +34,11 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from serverutil import STRATA, Server, cli, free_port
+from serverutil import Server, cli, free_port
 from strata.engine.local import init_store
 from strata.engine.txn import Transaction
 from strata.server.client import RemoteStore
+from strata_harness import STRATA
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

@@ -8,7 +8,9 @@ import threading
 import time
 from typing import Any
 
-from run_harness import STRATA, StepEnv, finish
+from run_harness import StepEnv, finish
+
+from strata_harness import STRATA
 
 
 def _reader(proc: subprocess.Popen[str], out: list[dict[str, Any]]) -> None:

@@ -150,7 +150,7 @@ RUN_STRATA_MODULES = {
     # that `strata ls` can skip them), and the entry kinds they name.
     "strata.cli.parser", "strata.cli.show", "strata.engine.kinds",
     "strata.engine", "strata.engine.errors", "strata.engine.names", "strata.run",
-    "strata.run.client",
+    "strata.run.client", "strata.run.protocol",
 }
 
 

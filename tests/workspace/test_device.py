@@ -18,8 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from strata.engine.errors import Forbidden
 from strata.engine.local import init_store
 from strata.server.client import RemoteStore
-from strata.workspace.attach import create, read_layout
-from strata.workspace.device import Device, DeviceError, Layout
+from strata.workspace.device import Device, DeviceError, Layout, create, read_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from serverutil import Server  # noqa: E402

@@ -407,7 +407,8 @@ class _WorkspaceRoot:
 
     def attach(self) -> None:
         from strata.server.client import RemoteStore
-        from strata.workspace.attach import attach, attached
+        from strata.workspace.attach import attach
+        from strata.workspace.state import attached
         assert isinstance(self.store, RemoteStore)
         if not self.takeover:
             for att in attached():

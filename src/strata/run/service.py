@@ -46,6 +46,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from strata.engine.errors import InvalidInput, StrataError
+from strata.procs import idle_exit, keepalive_every
 from strata.run.protocol import (
     LOCK_NAME,
     LOG_NAME,
@@ -86,18 +87,11 @@ def main(argv: list[str]) -> int:
     listener = _listen(socket_path(store))
     os.write(1, f"step service {os.getpid()} listening on {socket_path(store)}\n".encode())
     try:
-        _serve(listener, store, lock, _idle_exit(), block)
+        _serve(listener, store, lock, max(1.0, idle_exit()), block)
     finally:
         listener.close()
         os.close(lock)
     return 0
-
-
-def _idle_exit() -> float:
-    try:
-        return max(1.0, float(os.environ.get("STRATA_SERVER_IDLE_EXIT", "300")))
-    except ValueError:
-        return 300.0
 
 
 def _lock(store: str) -> int | None:
@@ -428,8 +422,7 @@ def _mount(conn: socket.socket, req: dict[str, Any], store_dir: str, mounter: Pr
         # As cmd_mount: the mount keeps the store's server from idling, and commit,
         # status and unmount start it again if it is gone.
         state.extra["store"] = store_dir
-        idle = float(os.environ.get("STRATA_SERVER_IDLE_EXIT", "300") or 300)
-        state.extra["keepalive"] = max(min(idle / 3, 60.0), 0.5)
+        state.extra["keepalive"] = keepalive_every()
         state.save()
         error = mounter.go(state, dict(os.environ), watch=False)
     except (StrataError, OSError, ValueError) as exc:

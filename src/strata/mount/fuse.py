@@ -35,6 +35,7 @@ finally:
     ctypes.util.find_library = _real_find_library
 
 from strata.engine.objects import K_DIR, K_FILE, FileNode  # noqa: E402
+from strata.mount import mountinfo  # noqa: E402
 from strata.mount.idshift import shift  # noqa: E402
 from strata.mount.vfs import FsError, Node, SnapshotFS  # noqa: E402
 
@@ -67,11 +68,9 @@ class _ReadAheadTuner:
         # it, resolving the path would stat the mount's root, a request nobody serves.
         self.path: str | None = None
         try:
-            with open("/proc/self/mountinfo", "rb") as f:
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 4 and _unescape(fields[4]) == target:
-                        self.path = f"/sys/class/bdi/{fields[2].decode()}/read_ahead_kb"
+            for m in mountinfo.read():
+                if m.point == target:
+                    self.path = f"/sys/class/bdi/{m.device}/read_ahead_kb"
         except OSError:
             pass
 
@@ -83,20 +82,6 @@ class _ReadAheadTuner:
                     f.write(str(READ_AHEAD_KB))
             except OSError:
                 pass
-
-
-def _unescape(field: bytes) -> str:
-    """A mountinfo path: spaces, tabs, newlines and backslashes come as octal escapes."""
-    out = bytearray()
-    i = 0
-    while i < len(field):
-        if field[i:i + 1] == b"\\" and field[i + 1:i + 4].isdigit():
-            out.append(int(field[i + 1:i + 4], 8))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return os.fsdecode(bytes(out))
 
 
 async def _call(fn: Callable[..., T], *args: Any) -> T:

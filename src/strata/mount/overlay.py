@@ -36,6 +36,7 @@ from strata.engine.objects import (
     object_id,
 )
 from strata.engine.tree import Trees, encode_name
+from strata.mount import mountinfo
 from strata.mount.idshift import unshift
 from strata.mount.statcache import Key, StatCache, stat_key
 
@@ -129,8 +130,7 @@ def unmount(target: str, *, lazy: bool = False) -> None:
 
 def mount_points() -> list[str]:
     """Every mount point of this mount namespace, in mount order."""
-    with open("/proc/self/mountinfo") as f:
-        return [line.split()[4].encode().decode("unicode_escape") for line in f]
+    return [m.point for m in mountinfo.read()]
 
 
 def is_mountpoint(path: str) -> bool:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from strata.engine.errors import Conflict, Expired, InvalidInput, StrataError, Unavailable
 from strata.engine.interface import ChangeSet, Store
+from strata.mount import mountinfo
 from strata.mount.cache import trim_if_due
 from strata.mount.overlay import unmount_under
 from strata.mount.session import (
@@ -481,8 +482,7 @@ def _sweep_workspace_roots() -> None:
         return
     if not names:
         return
-    with open("/proc/self/mountinfo") as f:
-        mounted = [line.split()[4] for line in f]
+    mounted = [m.point for m in mountinfo.read()]
     for name in names:
         work = os.path.join(root, name)
         try:

@@ -28,6 +28,7 @@ from strata.engine.errors import (
     Unavailable,
 )
 from strata.engine.interface import ChangeSet, Store
+from strata.mount import mountinfo
 from strata.procs import alive
 from strata.workspace.device import SNAPSHOT_PATH, read_layout, snapshot_entry
 from strata.workspace.ext4 import abort_fuse, fuse_connections, release_device
@@ -112,10 +113,9 @@ def attach(server: str, token: str | None, volume: str, branch: str, directory: 
 def _gone(att: Attached) -> None:
     """Clean up after a daemon that died (its host's processes were killed)."""
     devdir = os.path.join(att.state_dir, "dev")
-    with open("/proc/self/mountinfo") as f:
-        mine = [ln for ln in f.read().splitlines() if ln.split()[4] == devdir]
+    mine = [m for m in mountinfo.read() if m.point == devdir]
     subprocess.run(["umount", "-l", att.dir], capture_output=True)
-    abort_fuse(fuse_connections("\n".join(mine)))
+    abort_fuse(fuse_connections(mine))
     subprocess.run(["umount", "-l", devdir], capture_output=True)
     shutil.rmtree(att.state_dir, ignore_errors=True)
 

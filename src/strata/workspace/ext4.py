@@ -13,6 +13,10 @@ import contextlib
 import os
 import subprocess
 import time
+from collections.abc import Iterable
+
+from strata.mount import mountinfo
+from strata.mount.mountinfo import Mount
 
 FIFREEZE = 0xC0045877
 FITHAW = 0xC0045878
@@ -47,16 +51,11 @@ def free_ranges(dumpe2fs: str) -> list[tuple[int, int]]:
     return out
 
 
-def fuse_connections(mountinfo: str, fstype: str = "fuse.strata") -> list[int]:
-    """The FUSE connection numbers of the `fstype` mounts a mountinfo text lists."""
-    out = []
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if " - " in line and line.split(" - ", 1)[1].split()[0] == fstype:
-            major, _, minor = fields[2].partition(":")
-            if major == "0" and minor.isdigit():
-                out.append(int(minor))
-    return out
+def fuse_connections(mounts: str | Iterable[Mount], fstype: str = "fuse.strata") -> list[int]:
+    """The FUSE connection numbers of the `fstype` mounts listed (a mountinfo text, or parsed)."""
+    listed = mountinfo.parse(mounts) if isinstance(mounts, str) else mounts
+    return [m.fuse_connection for m in listed
+            if m.fstype == fstype and m.fuse_connection is not None]
 
 
 def abort_fuse(connections: list[int]) -> None:
@@ -86,9 +85,7 @@ def unmount_views(directory: str) -> None:
         return
     want = f"{os.major(dev)}:{os.minor(dev)}"
     real = os.path.realpath(directory)
-    with open("/proc/self/mountinfo") as f:
-        views = [fields[4].encode().decode("unicode_escape") for fields in
-                 (line.split() for line in f) if fields[2] == want]
+    views = [m.point for m in mountinfo.read() if m.device == want]
     for mp in reversed(views):
         if mp != real:
             subprocess.run(["umount", "-l", mp], capture_output=True)

@@ -56,8 +56,8 @@ class Prepared:
 
     A step's runner forks it first and pins, forks branches and writes the
     state while the child imports pyfuse3 and trio (~70 ms) on the other
-    core; `go` hands it the scratch directory and waits until the mount is
-    ready, as `start` does. Until then the child waits on a pipe, and exits
+    core; `start_mount` hands it the scratch directory and waits until the
+    mount is ready, as `start` does. Until then the child waits on a pipe, and exits
     when the runner closes it or dies (`cancel`, or the kernel closing it).
     """
 
@@ -102,7 +102,7 @@ class Prepared:
         finally:
             os._exit(code)
 
-    def go(self, state: MountState, env: dict[str, str] | None = None, *,
+    def start_mount(self, state: MountState, env: dict[str, str] | None = None, *,
            watch: bool = True) -> str | None:
         """Mount `state`; None once ready, else the error message.
 

@@ -237,7 +237,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
             limit_writes(st, disk)  # the step's writes on a filesystem of that size
         st.extra["token"] = store.token
         st.save()
-        error = mounter.go(st, dict(os.environ) if mounter_env else None)
+        error = mounter.start_mount(st, dict(os.environ) if mounter_env else None)
         if error is not None:
             raise StrataError(f"could not mount the step's volumes: {error}")
         # The mount process recorded its pid; keep it when this runner saves the state

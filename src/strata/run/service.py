@@ -424,7 +424,7 @@ def _mount(conn: socket.socket, req: dict[str, Any], store_dir: str, mounter: Pr
         state.extra["store"] = store_dir
         state.extra["keepalive"] = keepalive_every()
         state.save()
-        error = mounter.go(state, dict(os.environ), watch=False)
+        error = mounter.start_mount(state, dict(os.environ), watch=False)
     except (StrataError, OSError, ValueError) as exc:
         code = exc.exit_code if isinstance(exc, StrataError) else 1
         _send(conn, {"event": "error", "code": code, "message": str(exc)})

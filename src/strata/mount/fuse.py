@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes.util
 import errno
+import logging
 import os
 import stat as statmod
 from collections.abc import Callable
@@ -38,6 +39,8 @@ from strata.engine.objects import K_DIR, K_FILE, FileNode  # noqa: E402
 from strata.mount import mountinfo  # noqa: E402
 from strata.mount.idshift import shift  # noqa: E402
 from strata.mount.vfs import FsError, Node, SnapshotFS  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CACHE_SECONDS = 86400.0
@@ -80,8 +83,8 @@ class _ReadAheadTuner:
             try:
                 with open(path, "w") as f:
                     f.write(str(READ_AHEAD_KB))
-            except OSError:
-                pass
+            except OSError as exc:  # best effort (see above): the kernel's default stays
+                log.debug("read-ahead not set: %s", exc)
 
 
 async def _call(fn: Callable[..., T], *args: Any) -> T:
@@ -91,7 +94,9 @@ async def _call(fn: Callable[..., T], *args: Any) -> T:
         raise pyfuse3.FUSEError(exc.errno) from None
     except FileNotFoundError:
         raise pyfuse3.FUSEError(errno.ENOENT) from None
-    except Exception:  # the store is unreachable or damaged: an I/O error, not a crash
+    except Exception as exc:  # the store is unreachable or damaged: an I/O error, not a crash
+        log.warning("a request fails with EIO: %s: %s", type(exc).__name__, exc,
+                    exc_info=log.isEnabledFor(logging.DEBUG))
         raise pyfuse3.FUSEError(errno.EIO) from None
 
 

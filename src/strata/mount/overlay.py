@@ -15,6 +15,7 @@ so only changed blocks need uploading.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat as statmod
 from collections.abc import Iterator, Mapping
@@ -39,6 +40,8 @@ from strata.engine.tree import Trees, encode_name
 from strata.mount import mountinfo
 from strata.mount.idshift import unshift
 from strata.mount.statcache import Key, StatCache, stat_key
+
+log = logging.getLogger(__name__)
 
 OVERLAY_PREFIX = b"trusted.overlay."  # overlayfs' own markers, never published
 OPAQUE = OVERLAY_PREFIX + b"opaque"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -23,6 +24,8 @@ from strata.mount.overlay import MountError, unmount
 from strata.mount.session import MountState, mount_overlays, teardown
 from strata.procs import alive
 from strata.server.client import RemoteStore
+
+log = logging.getLogger(__name__)
 
 # Set by the watcher when it starts discarding, and when it is done: unmounting the
 # FUSE view ends the main loop, which must not exit the process half-way through.
@@ -224,6 +227,8 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
         try:
             mount_overlays(state)
         except Exception as exc:
+            log.warning("overlays on %s failed: %s", state.mountpoint, exc,
+                        exc_info=not isinstance(exc, StrataError))
             tell(str(exc).encode())
             with contextlib.suppress(MountError):
                 unmount(state.lower, lazy=True)
@@ -301,8 +306,10 @@ def _watch(pid: int, state: MountState) -> None:
             break  # exited (perhaps not reaped yet by its parent)
         if not os.path.isdir(state.scratch):
             # Torn down by its owner, or swept: nothing of ours may stay mounted.
-            with contextlib.suppress(Exception):
+            try:
                 teardown(state, lazy=True)
+            except Exception:
+                log.warning("teardown of %s failed", state.mountpoint, exc_info=True)
             return
     # Our owner died without tearing us down: stop the processes it said use the
     # mount (state.json "pgid", a process group), then discard everything.
@@ -313,8 +320,10 @@ def _watch(pid: int, state: MountState) -> None:
                 pgid = int(json.load(f).get("extra", {}).get("pgid", 0))
             if pgid > 1:
                 os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
+        try:
             teardown(state, lazy=True)
+        except Exception:
+            log.warning("discarding %s failed", state.mountpoint, exc_info=True)
     finally:
         _discarded.set()
 

@@ -10,6 +10,7 @@ rejected change set on `rejected/<run-id>` for inspection and exits 3.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import threading
@@ -45,6 +46,8 @@ from strata.run.spec import IMAGE_NAME, VolumeSpec
 
 if TYPE_CHECKING:
     from strata.mount.process import Prepared
+
+log = logging.getLogger(__name__)
 
 LEASE_TTL = 15.0
 PIN_TTL = 60.0  # the step's base snapshots, renewed with the leases
@@ -296,8 +299,10 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
             ws_root.close()
         mounter.cancel()  # a mount process never handed a state exits
         if state is not None:
-            with contextlib.suppress(Exception):
+            try:
                 teardown(state, lazy=True)  # also removes the stage
+            except Exception:  # the step's answer stands; the sweep removes what is left
+                log.warning("teardown of step %s failed", state.mountpoint, exc_info=True)
         jail.close()
         leases.release()
         if state is not None:
@@ -449,8 +454,11 @@ class _WorkspaceRoot:
         """Detach if still attached (errors ignored: the step is failing), then clean up."""
         try:
             if self.attached:
-                with contextlib.suppress(Exception):
+                try:
                     self.detach()
+                except Exception:
+                    log.warning("detaching the workspace root %s failed", self.dir,
+                                exc_info=True)
         finally:
             self._clean()
 

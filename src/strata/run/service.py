@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import logging
 import os
 import select
 import signal
@@ -42,7 +43,6 @@ import socket
 import struct
 import sys
 import time
-import traceback
 from typing import TYPE_CHECKING, Any
 
 from strata.engine.errors import InvalidInput, StrataError
@@ -60,6 +60,8 @@ from strata.run.protocol import (
 
 if TYPE_CHECKING:
     from strata.mount.process import Prepared
+
+log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request
 CHECK_SERVER_EVERY = 1.0
@@ -85,7 +87,7 @@ def main(argv: list[str]) -> int:
     except (StrataError, KeyError, ValueError, TypeError):
         block = 0  # asked of the server, as any client does
     listener = _listen(socket_path(store))
-    os.write(1, f"step service {os.getpid()} listening on {socket_path(store)}\n".encode())
+    log.info("step service %d listening on %s", os.getpid(), socket_path(store))
     try:
         _serve(listener, store, lock, max(1.0, idle_exit()), block)
     finally:
@@ -216,8 +218,8 @@ class _Pool:
             os.close(self.took_r)
             code = _worker(self.listener, self.took_w, service, self.store, self.block)
         except BaseException:
-            with contextlib.suppress(Exception):
-                traceback.print_exc()
+            with contextlib.suppress(Exception):  # the log itself may be what failed
+                log.exception("step worker %d failed", os.getpid())
         finally:
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
@@ -343,7 +345,7 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
     if not _send(conn, {"event": "accepted"}):
         return 1
     _adopt_common(step)  # the command's environment, the scratch and cache directories
-    log = os.dup(2)
+    log_fd = os.dup(2)  # the service's log, for what the worker says after its answer
     for target, fd in zip((0, 1, 2), fds, strict=True):
         os.dup2(fd, target)
     for fd in fds:
@@ -356,7 +358,7 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
         _send(conn, {"event": "publishing"})
 
     def done(result: StepResult) -> None:
-        _release_stdio(log)
+        _release_stdio(log_fd)
         answered.append(True)
         _stop_dying_with_client(conn)
         doc: dict[str, Any] = {"event": "result", "result": result.to_json()}
@@ -374,23 +376,28 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
                  message=step["message"], identical=step["identical"], mounter=mounter,
                  mounter_env=True, on_publish=publishing, on_done=done)
     except Exception as exc:
-        if answered:
-            traceback.print_exc()  # after the answer: only the teardown failed
+        if answered:  # after the answer: only the teardown failed
+            log.exception("step %s on %s: teardown failed after the answer", step["argv"][:1],
+                          [s.volume for s in step["specs"]])
             return 1
-        _release_stdio(log)
+        _release_stdio(log_fd)
         answered.append(True)
         _stop_dying_with_client(conn)
         code = exc.exit_code if isinstance(exc, StrataError) else 1
+        # The service's log keeps every step strata itself failed, and why.
         if not isinstance(exc, StrataError):
-            traceback.print_exc()
-        else:  # the service log keeps every step strata itself failed, and why
-            print(f"step {step['argv'][:1]} on {[s.volume for s in step['specs']]} failed: "
-                  f"{exc}", file=sys.stderr, flush=True)
+            log.exception("step %s on %s failed", step["argv"][:1],
+                          [s.volume for s in step["specs"]])
+        else:
+            log.warning("step %s on %s failed: %s", step["argv"][:1],
+                        [s.volume for s in step["specs"]], exc)
         _send(conn, {"event": "error", "code": code, "message": str(exc) or type(exc).__name__})
         return 1
     finally:
-        with contextlib.suppress(Exception):
+        try:
             store.close()
+        except Exception:
+            log.debug("closing the store client failed", exc_info=True)
     return 0
 
 
@@ -436,7 +443,7 @@ def _mount(conn: socket.socket, req: dict[str, Any], store_dir: str, mounter: Pr
     return 0
 
 
-def _release_stdio(log: int) -> None:
+def _release_stdio(log_fd: int) -> None:
     """Give the client's stdio back, so its pipes end when the client exits.
 
     What the worker still says goes to the service's log.
@@ -447,8 +454,8 @@ def _release_stdio(log: int) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
 
 
 def _die_with_client(conn: socket.socket) -> None:

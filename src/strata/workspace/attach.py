@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -33,6 +34,8 @@ from strata.procs import alive
 from strata.workspace.device import SNAPSHOT_PATH, read_layout, snapshot_entry
 from strata.workspace.ext4 import abort_fuse, fuse_connections, release_device
 from strata.workspace.state import Attached, attached, fenced_note
+
+log = logging.getLogger(__name__)
 
 
 class WritesDropped(StrataError):

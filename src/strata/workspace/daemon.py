@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import select
 import shutil
@@ -40,6 +41,8 @@ from strata.workspace.ext4 import (
     unmount_views,
 )
 from strata.workspace.state import FENCED, Attached
+
+log = logging.getLogger(__name__)
 
 LEASE_TTL = 30.0
 TRIM_WAIT = 10.0           # how long a trim waits for the filesystem to be gone everywhere
@@ -90,11 +93,11 @@ class Daemon:
                 self.store.renew_lease(self.att.volume, self.att.branch, self.lease, LEASE_TTL)
             except Forbidden as exc:
                 dev.fenced = f"this host no longer holds the workspace's lease: {exc}"
-                print(f"strata workspace: fenced: {exc}", flush=True)
+                log.warning("fenced: %s", exc)
                 self.note_fenced()
                 return
             except StrataError as exc:
-                print(f"strata workspace: lease renewal failed, retrying: {exc}", flush=True)
+                log.warning("lease renewal failed, retrying: %s", exc)
 
     def note_fenced(self) -> None:
         """Record, beside the attach, that it was fenced and what it could not publish.
@@ -128,7 +131,7 @@ class Daemon:
                     dev.flush()
                     since = None
                 except StrataError as exc:
-                    print(f"strata workspace: background write-back failed: {exc}", flush=True)
+                    log.warning("background write-back failed: %s", exc)
 
     def control(self, sock: socket.socket) -> None:
         while not self.stopping.is_set():
@@ -165,8 +168,7 @@ class Daemon:
         up.wait()
         if self.stopping.is_set():
             return
-        print(f"strata workspace: its owner (pid {self.att.owner}) is gone: detaching",
-              flush=True)
+        log.info("its owner (pid %d) is gone: detaching", self.att.owner)
         deadline = time.monotonic() + OWNER_GRACE
         unmount_views(self.att.dir)
         while True:  # the owner's processes die with it (PDEATHSIG); wait for them to leave
@@ -176,7 +178,7 @@ class Daemon:
                     self.trim()
                 break
             if time.monotonic() > deadline:
-                print("strata workspace: still busy: unmounting lazily", flush=True)
+                log.warning("still busy: unmounting lazily")
                 subprocess.run(["umount", "-l", self.att.dir], capture_output=True)
                 break
             time.sleep(0.2)
@@ -198,8 +200,8 @@ class Daemon:
         if not dev.wait_unused(TRIM_WAIT):
             # Unmounted here but alive elsewhere: its bitmaps are not final, and a
             # punch could land after a block's last write. Keeping blocks is safe.
-            print("strata workspace: not trimmed: the filesystem is still in use "
-                  "(another mount namespace holds it)", flush=True)
+            log.warning("not trimmed: the filesystem is still in use "
+                        "(another mount namespace holds it)")
             return 0
         p = subprocess.run(["dumpe2fs", os.path.join(self.devdir, "disk")],
                            capture_output=True, text=True)
@@ -309,9 +311,9 @@ def run_daemon(att: Attached, report: int | None) -> int:
         try:
             t1 = time.monotonic()
             mount_fs(daemon, fresh)
-            print(f"attached {att.volume}@{att.branch} at {att.dir}: lease and head "
-                  f"{t_open * 1e3:.0f} ms, {'mkfs and ' if fresh else ''}mount "
-                  f"{(time.monotonic() - t1) * 1e3:.0f} ms", flush=True)
+            log.info("attached %s@%s at %s: lease and head %.0f ms, %smount %.0f ms",
+                     att.volume, att.branch, att.dir, t_open * 1e3,
+                     "mkfs and " if fresh else "", (time.monotonic() - t1) * 1e3)
         except (OSError, subprocess.CalledProcessError, StrataError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
             tell(f"{exc} {detail.decode(errors='replace') if isinstance(detail, bytes) else detail}"

@@ -21,6 +21,7 @@ workspace again.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -41,6 +42,8 @@ from strata.engine.objects import (
 )
 from strata.engine.tree import Trees
 from strata.workspace import LAYOUT_PATH
+
+log = logging.getLogger(__name__)
 
 SNAPSHOT_PATH = "snapshot.json"   # the message of the last named snapshot
 DISK_DIR = "disk"

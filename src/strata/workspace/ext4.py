@@ -10,6 +10,7 @@ connections. Nothing here talks to a store.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import time
@@ -17,6 +18,8 @@ from collections.abc import Iterable
 
 from strata.mount import mountinfo
 from strata.mount.mountinfo import Mount
+
+log = logging.getLogger(__name__)
 
 FIFREEZE = 0xC0045877
 FITHAW = 0xC0045878

@@ -14,11 +14,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from strata.engine.errors import InvalidInput, NotFound
+
+log = logging.getLogger(__name__)
 
 STATE_ROOT = os.environ.get("STRATA_WORKSPACE_STATE", "/run/strata/workspaces")
 FENCED = "fenced"  # in an attach's state directory, once another holder took it over

@@ -16,6 +16,9 @@ after it, which is all a journaling filesystem on top asks of a disk. Once a
 publish is refused because another host took the lease (fenced), the device
 fails every later write and flush: nothing of this host reaches the
 workspace again.
+
+`create` and `read_layout` make and read the layout (`workspace.json`) at a
+workspace volume's root. Nothing here mounts, forks or knows of FUSE.
 """
 
 from __future__ import annotations

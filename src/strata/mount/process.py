@@ -6,6 +6,8 @@ With `watch_pid`, the mount process tears itself down, discarding the upper
 directories, as soon as that process is gone (first killing the process group
 the owner recorded as `pgid` in the state's `extra`, the processes using the
 mount): a step runner that dies publishes nothing and leaves no scratch behind.
+`Prepared` is a mount process forked before its mount exists (a runner's or
+a step service worker's), which `start_mount` starts once it does.
 """
 
 from __future__ import annotations

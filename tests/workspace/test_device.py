@@ -17,8 +17,7 @@ from serverutil import Server
 from strata.engine.errors import Forbidden
 from strata.engine.local import init_store
 from strata.server.client import RemoteStore
-from strata.workspace.attach import create, read_layout
-from strata.workspace.device import Device, DeviceError, Layout
+from strata.workspace.device import Device, DeviceError, Layout, create, read_layout
 
 BLOCK = 4096
 EXTENT = 4 * BLOCK

@@ -34,7 +34,7 @@ class WsEnv(StrataEnv):
 
 def cleanup(root: Path) -> None:
     """Lazily unmount everything under `root`, and abort its FUSE connections."""
-    from strata.workspace.attach import abort_fuse, fuse_connections
+    from strata.workspace.ext4 import abort_fuse, fuse_connections
     lines = [ln for ln in open("/proc/self/mountinfo").read().splitlines()
              if ln.split()[4].startswith(str(root))]
     for line in reversed(lines):

@@ -106,7 +106,9 @@ def ensure_server(path: str, timeout: float = 15.0) -> str:
     if is_serving(sock):
         return sock
     import subprocess
-    idle = os.environ.get("STRATA_SERVER_IDLE_EXIT", "300")
+
+    from strata.procs import idle_exit
+    idle = repr(idle_exit())
     # Owner only, like every store file (requests and errors name volumes and paths).
     log_path = os.path.join(path, "serve.log")
     with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:

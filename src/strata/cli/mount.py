@@ -131,6 +131,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
             and os.environ.get("STRATA_MOUNT_IN_PROCESS") != "1"):
         return _mount_via_service(args, target, single)
     from strata.mount.session import MountRef, mount_volumes, new_state
+    from strata.procs import keepalive_every
     refs = [MountRef(*r) for r in _mount_refs(args)]
     with open_remote(args) as store:
         vols = mount_volumes(store, refs, ro=args.ro, single=single)
@@ -144,8 +145,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         # it for its whole life: the mount process keeps it busy, and commit,
         # status and unmount start it again if it is gone.
         state.extra["store"] = store_path(args)
-        idle = float(os.environ.get("STRATA_SERVER_IDLE_EXIT", "300"))
-        state.extra["keepalive"] = max(min(idle / 3, 60.0), 0.5)
+        state.extra["keepalive"] = keepalive_every()
     state.save()
     return serve_mount(state, background=args.background)
 

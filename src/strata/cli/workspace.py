@@ -77,8 +77,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    from strata.workspace.attach import create
-    from strata.workspace.device import Layout
+    from strata.workspace.device import Layout, create
     size = -(-args.size // (1 << 20)) << 20  # whole extents
     with open_store(args) as store:
         head = create(store, args.name, Layout(size=size, block=args.block_size))
@@ -170,7 +169,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_fork(args: argparse.Namespace) -> int:
-    from strata.workspace.attach import read_layout
+    from strata.workspace.device import read_layout
     ref = parse_ref(args.name)
     new = args.new.split("@", 1)[1] if args.new.startswith(ref.volume + "@") else args.new
     check_branch(new)
@@ -182,7 +181,8 @@ def cmd_fork(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from strata.workspace.attach import attached, fenced_note, read_layout
+    from strata.workspace.device import read_layout
+    from strata.workspace.state import attached, fenced_note
     here = {(a.volume, a.branch): a.dir for a in attached()}
     fenced = {(a.volume, a.branch) for a in attached() if fenced_note(a) is not None}
     rows: list[dict[str, Any]] = []

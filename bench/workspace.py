@@ -46,7 +46,7 @@ class Env(CliEnv):
 
     def lose(self, d: str) -> None:
         """Host loss: the daemon SIGKILLed, its filesystem gone with it."""
-        from strata.workspace import attach as ws
+        from strata.workspace import state as ws
         os.environ["STRATA_WORKSPACE_STATE"] = self.env["STRATA_WORKSPACE_STATE"]
         state = os.path.join(self.env["STRATA_WORKSPACE_STATE"],
                              os.path.basename(ws.state_dir_for(d)), "state.json")

@@ -23,13 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from serverutil import Server, free_port
 from strata.engine.errors import StrataError
 from strata.engine.local import LocalStore
 from strata.engine.seal import KEY_FILE, read_key_file
 from strata.engine.txn import Transaction
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serverutil import Server, free_port  # noqa: E402
 
 BUCKET = "strata-test"
 

@@ -12,15 +12,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from strata.server.client import RemoteStore, default_socket, is_serving
-
-STRATA = [sys.executable, "-m", "strata"]
+from strata_harness import STRATA
 
 
 def peak_rss(pid: int) -> int:

@@ -12,7 +12,6 @@ import json
 import os
 import stat
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,7 @@ from typing import Any
 import pytest
 
 from strata.engine.objects import EMPTY_SNAPSHOT_ID
-
-STRATA = [sys.executable, "-m", "strata"]
+from strata_harness import STRATA
 
 
 class Cli:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,8 +20,8 @@ from strata import workspace
 from strata.cli import fastls
 from strata.server import wire
 from strata.server.client import SOCKET_NAME
+from strata_harness import STRATA
 
-STRATA = [sys.executable, "-m", "strata"]
 ODD = "caf\udce9 \"q\"\t.txt"  # a byte that is not UTF-8, a quote, a tab
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from strata.cli import main as climain
+from strata.cli import parser as cliparser
 
 # Heavy or irrelevant to reading a snapshot: none may be imported by `strata ls`, nor by
 # building the parser of all commands (`strata --help`).
@@ -150,7 +151,7 @@ RUN_STRATA_MODULES = {
     # that `strata ls` can skip them), and the entry kinds they name.
     "strata.cli.parser", "strata.cli.show", "strata.engine.kinds",
     "strata.engine", "strata.engine.errors", "strata.engine.names", "strata.run",
-    "strata.run.client",
+    "strata.run.client", "strata.run.protocol",
 }
 
 
@@ -211,7 +212,7 @@ def test_ls_long_and_subdir_stay_in_budget(store: Path) -> None:
 
 def test_help_builds_every_parser_without_heavy_imports(store: Path) -> None:
     mods, out = _imported(["--help"], _env(store))
-    for command in climain.COMMANDS:
+    for command in cliparser.COMMANDS:
         assert f"    {command} " in out or f"    {command}\n" in out, command
     assert _forbidden(mods) == []
     assert "strata.engine.objects" not in mods  # parsing needs no object code
@@ -222,9 +223,9 @@ def test_command_table_matches_the_modules() -> None:
     # with what the modules register, or a command would vanish from its own parse.
     full = climain.build_parser()
     sub = next(a for a in full._actions if a.dest == "command")
-    assert set(sub.choices) == set(climain.COMMANDS)  # type: ignore[arg-type]
-    for command, module in climain.COMMANDS.items():
-        assert module in climain.MODULES
+    assert set(sub.choices) == set(cliparser.COMMANDS)  # type: ignore[arg-type]
+    for command, module in cliparser.COMMANDS.items():
+        assert module in cliparser.MODULES
         lazy = climain.build_parser(command)
         lazy_sub = next(a for a in lazy._actions if a.dest == "command")
         assert command in lazy_sub.choices  # type: ignore[operator]

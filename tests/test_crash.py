@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from crash_writer import content_of, path_of
 from strata.engine import pack as packfmt
 from strata.engine.errors import Corrupt, NotFound, StrataError, Unavailable
 from strata.engine.local import LocalStore, StoreConfig, init_store
@@ -29,8 +30,6 @@ from strata.engine.objects import BLOCK, K_FILE, object_id
 from strata.engine.txn import Transaction
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from crash_writer import content_of, path_of  # noqa: E402
 
 KILLS = 32
 KILL_BUDGET_S = 45.0  # stop killing early on a slow machine, but never below 30 kills

@@ -18,12 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from gc_worker import content
 from strata.engine.local import LocalStore, init_store
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gc_worker import content  # noqa: E402
 
 WORKER = str(Path(__file__).resolve().parent / "gc_worker.py")
 

@@ -17,17 +17,15 @@ import shutil
 import stat
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serverutil import served_volume  # noqa: E402
-from strata.engine.errors import InvalidInput  # noqa: E402
-from strata.engine.interface import ChangeSet  # noqa: E402
-from strata.engine.local import LocalStore, init_store  # noqa: E402
-from strata.engine.objects import (  # noqa: E402
+from serverutil import served_volume
+from strata.engine.errors import InvalidInput
+from strata.engine.interface import ChangeSet
+from strata.engine.local import LocalStore, init_store
+from strata.engine.objects import (
     K_CHR,
     K_DIR,
     K_FILE,
@@ -37,8 +35,8 @@ from strata.engine.objects import (  # noqa: E402
     object_id,
     packb,
 )
-from strata.fsio import export_snapshot  # noqa: E402
-from strata.server.wire import OBJ_HEAD  # noqa: E402
+from strata.fsio import export_snapshot
+from strata.server.wire import OBJ_HEAD
 
 
 def entry_list(kind: int = K_FILE, **kw: object) -> list[object]:

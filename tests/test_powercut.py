@@ -25,13 +25,12 @@ from pathlib import Path
 
 import pytest
 
+from crash_writer import content_of
 from strata.engine.errors import StrataError
 from strata.engine.local import LocalStore, init_store
 from strata.engine.txn import Transaction
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from crash_writer import content_of  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="needs /dev/fuse")
 

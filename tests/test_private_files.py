@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serverutil import Server, cli  # noqa: E402
-from strata.engine.local import LocalStore, StoreConfig, init_store  # noqa: E402
-from strata.engine.txn import Transaction  # noqa: E402
-from strata.mount.session import VolumeState, new_state  # noqa: E402
+from serverutil import Server, cli
+from strata.engine.local import LocalStore, StoreConfig, init_store
+from strata.engine.txn import Transaction
+from strata.mount.session import VolumeState, new_state
 
 
 def _open_to_others(root: Path) -> list[str]:

@@ -11,6 +11,15 @@ whatever the bytes), unless it opted into `identical` and the head already
 holds what it wants there. After every step the store's volumes, branches,
 trees and log chains must equal the model, including after the store is
 closed and opened again.
+
+The machine runs over every store implementation of the contract suite
+(tests/contract/implementations.py): in this process, and through a real
+`strata serve` process, which `reopen` stops and starts again.
+STRATA_STATEFUL_EXAMPLES sets the number of examples for the in-process
+store (100 unless set; `make fuzz` runs 1000); every other implementation
+runs one example for every `SHARE` of those (3 by default, 33 in `make fuzz`):
+each example starts a server, and each `reopen`, about one step in three,
+starts it again, so one example of 40 steps costs several seconds.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, event, settings
@@ -28,11 +39,14 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
+from implementations import IMPLEMENTATIONS, Opener
 
 from strata.engine.errors import AlreadyExists, Conflict, NotFound
-from strata.engine.local import LocalStore, StoreConfig, init_store
+from strata.engine.local import init_store
 from strata.engine.objects import EMPTY_SNAPSHOT_ID, K_FILE
+from strata.engine.storedir import _write_meta, read_store_meta
 from strata.engine.txn import Transaction
 
 Files = dict[str, bytes]
@@ -49,19 +63,35 @@ CHANGES = st.dictionaries(st.sampled_from(PATHS), st.none() | st.sampled_from(so
 
 
 class StoreMachine(RuleBasedStateMachine):
-    def __init__(self) -> None:
+    def __init__(self, open_store: Opener) -> None:
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="strata-stateful-")
-        init_store(self.dir)
-        # Small packs, so sealing and new packs happen within a run.
-        self.config = StoreConfig(pack_size_limit=64 * 1024)
-        self.store = LocalStore(self.dir, self.config)
+        self.store_dir = Path(self.dir) / "store"
+        init_store(str(self.store_dir))
+        # Small packs, so sealing and new packs happen within a run. Written into the
+        # store's settings (below the 1 MiB `init_store` allows) so that every
+        # implementation, a server process too, opens the store with them.
+        _write_meta(str(self.store_dir),
+                    {**read_store_meta(str(self.store_dir)), "pack_size_limit": 64 * 1024})
+        self.open_store = open_store
+        self.finalizers: list[Callable[[], object]] = []
+        self.store = open_store(self.store_dir, self.finalizers.append)
         self.model: dict[str, dict[str, History]] = {}
         self.checked: set[str] = set()  # snapshots whose tree already matched
 
+    def close(self) -> None:
+        """Close the store, then stop what serves it (a server process), newest first."""
+        try:
+            self.store.close()
+        finally:
+            while self.finalizers:
+                self.finalizers.pop()()
+
     def teardown(self) -> None:
-        self.store.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            self.close()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def branches(self) -> list[tuple[str, str]]:
         return [(v, b) for v in sorted(self.model) for b in sorted(self.model[v])]
@@ -224,8 +254,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule()
     def reopen(self) -> None:
-        self.store.close()
-        self.store = LocalStore(self.dir, self.config)
+        self.close()
+        self.store = self.open_store(self.store_dir, self.finalizers.append)
         self.checked.clear()
 
     # -- invariants ------------------------------------------------------------------
@@ -260,8 +290,14 @@ class StoreMachine(RuleBasedStateMachine):
                 assert log[-1].parent is None
 
 
-StoreMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("STRATA_STATEFUL_EXAMPLES", "100")),
-    stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-test_store_state_machine = StoreMachine.TestCase
+EXAMPLES = int(os.environ.get("STRATA_STATEFUL_EXAMPLES", "100"))
+SHARE = 30  # in-process examples per example of every other implementation
+
+
+@pytest.mark.parametrize("open_store", IMPLEMENTATIONS)
+def test_store_state_machine(open_store: Opener, request: pytest.FixtureRequest) -> None:
+    in_process = request.node.callspec.id == "local"
+    run_state_machine_as_test(lambda: StoreMachine(open_store), settings=settings(
+        max_examples=EXAMPLES if in_process else max(1, EXAMPLES // SHARE),
+        stateful_step_count=40, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

@@ -6,14 +6,12 @@ same contract on both.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bucketutil import BUCKET, Moto  # noqa: E402
+from bucketutil import BUCKET, Moto
 
 
 @pytest.fixture(scope="module")

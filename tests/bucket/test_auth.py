@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 import tarfile
 import time
 import urllib.parse
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from bucketutil import BUCKET, key_of
+from serverutil import cli
 from strata.engine import pack as packfmt
 from strata.engine.bucket import Bucket, OwnerLog, decode_record, encode_record, log_name
 from strata.engine.checkpoint import Checkpoint
@@ -45,10 +46,6 @@ from strata.engine.objects import (
 from strata.engine.seal import CHUNK, HEADER, KEY_FILE, TAG, BucketKey, Header
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bucketutil import BUCKET, key_of  # noqa: E402
-from serverutil import cli  # noqa: E402
 
 MiB = 1 << 20
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "bucket-v1.tar.gz"

@@ -7,15 +7,13 @@ cause in serve.log. A store fenced by a takeover behaved the same way.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bucketutil import BUCKET, Moto  # noqa: E402
-from serverutil import Server, cli  # noqa: E402
+from bucketutil import BUCKET, Moto
+from serverutil import Server, cli
 
 
 def test_init_refuses_a_prefix_that_holds_a_store(tmp_path: Path, bucket_url: str) -> None:

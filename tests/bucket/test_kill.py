@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from bucketutil import BUCKET, Moto, Publisher, key_of, survivors
+from serverutil import Server
 from strata.engine.local import init_store
 from strata.engine.tier import restore
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bucketutil import BUCKET, Moto, Publisher, key_of, survivors  # noqa: E402
-from serverutil import Server  # noqa: E402
 
 ROUNDS = 4
 

@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from bucketutil import BUCKET, FaultProxy, Moto
 from strata.engine.errors import Unavailable
 from strata.engine.local import LocalStore, init_store
 from strata.engine.seal import KEY_FILE, read_key_file
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bucketutil import BUCKET, FaultProxy, Moto  # noqa: E402
 
 
 @pytest.fixture(scope="module")

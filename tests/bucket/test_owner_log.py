@@ -6,11 +6,11 @@ server (moto, on loopback).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+from bucketutil import BUCKET, FaultProxy, Moto
 from strata.engine.bucket import (
     HINT,
     Bucket,
@@ -20,9 +20,6 @@ from strata.engine.bucket import (
     log_name,
 )
 from strata.engine.errors import Corrupt, NotFound
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bucketutil import BUCKET, FaultProxy, Moto  # noqa: E402
 
 
 @pytest.fixture

@@ -23,13 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from bucketutil import BUCKET, Moto
+from netnsutil import Hosts
+from serverutil import Server, cli
 from strata.engine.errors import StrataError
 from strata.engine.txn import Transaction
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bucketutil import BUCKET, Moto  # noqa: E402
-from netnsutil import Hosts  # noqa: E402
-from serverutil import Server, cli  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("ip") is None, reason="needs iproute2")
 

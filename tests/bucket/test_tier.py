@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from bucketutil import Publisher, content, key_of, survivors
+from serverutil import Server, cli
 from strata.engine.checkpoint import Checkpoint
 from strata.engine.errors import StrataError
 from strata.engine.local import LocalStore, init_store
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bucketutil import Publisher, content, key_of, survivors  # noqa: E402
-from serverutil import Server, cli  # noqa: E402
 
 
 def _lose_the_host(server: Server, store: Path) -> float:

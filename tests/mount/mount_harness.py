@@ -9,29 +9,19 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-STRATA = [sys.executable, "-m", "strata"]
+from strata_harness import StrataEnv
 
 
-class MountEnv:
+class MountEnv(StrataEnv):
+    """A store, and the mounts made of it (`mounted()` unmounts them on teardown)."""
+
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.store = root / "store"
-        self.env = {**os.environ, "STRATA_STORE": str(self.store),
-                    "STRATA_SCRATCH": str(root / "scratch"),
-                    "XDG_CACHE_HOME": str(root / "cache")}
+        super().__init__(root, STRATA_SCRATCH=str(root / "scratch"),
+                         XDG_CACHE_HOME=str(root / "cache"))
         self.mounts: list[Path] = []
-
-    def run(self, *args: str, rc: int | None = 0, input: str | None = None
-            ) -> subprocess.CompletedProcess[str]:
-        p = subprocess.run([*STRATA, *args], env=self.env, capture_output=True, text=True,
-                           timeout=120, input=input)
-        if rc is not None:
-            assert p.returncode == rc, (args, p.returncode, p.stdout, p.stderr)
-        return p
 
     def mount(self, ref: str, name: str = "m", *extra: str) -> Path:
         target = self.root / name

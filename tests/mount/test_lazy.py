@@ -17,7 +17,8 @@ import pytest
 from mount_harness import MountEnv
 
 from strata.engine.txn import Transaction
-from strata.mount.fuse import READ_AHEAD_KB, _unescape
+from strata.mount.fuse import READ_AHEAD_KB
+from strata.mount.mountinfo import unescape as _unescape
 from strata.mount.readahead import MIN_AHEAD, REQUEST_BYTES
 from strata.server.client import RemoteStore, default_socket
 

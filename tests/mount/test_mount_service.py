@@ -15,11 +15,11 @@ from pathlib import Path
 
 from mount_harness import MountEnv
 
-from strata.run import client
+from strata.run import protocol
 
 
 def _service(menv: MountEnv) -> int:
-    return int((menv.store / client.LOCK_NAME).read_text())
+    return int((menv.store / protocol.LOCK_NAME).read_text())
 
 
 def _alive(pid: int) -> bool:
@@ -59,7 +59,7 @@ def test_the_in_process_mount_still_works(menv: MountEnv, tmp_path: Path) -> Non
     m = menv.mount("v")
     assert os.listdir(m) == ["a.txt"]
     menv.unmount(m)
-    assert not (menv.store / client.SOCKET_NAME).exists()  # no service was asked
+    assert not (menv.store / protocol.SOCKET_NAME).exists()  # no service was asked
 
 
 def test_mount_errors_come_back_from_the_service(menv: MountEnv) -> None:

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mount_harness import STRATA, MountEnv
+from mount_harness import MountEnv
+
+from strata_harness import STRATA
 
 
 def _status(menv: MountEnv, m: Path) -> dict[str, Any]:

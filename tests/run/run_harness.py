@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from strata.server.client import RemoteStore, default_socket
-
-STRATA = [sys.executable, "-m", "strata"]
+from strata_harness import STRATA, StrataEnv
 
 
 @dataclass
@@ -33,22 +31,13 @@ class StepResult:
     stderr: str = ""
 
 
-class StepEnv:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.store = root / "store"
-        self.scratch = root / "scratch"
-        self.env = {**os.environ, "STRATA_STORE": str(self.store),
-                    "STRATA_SCRATCH": str(self.scratch),
-                    "XDG_CACHE_HOME": str(root / "cache")}
+class StepEnv(StrataEnv):
+    """A store, and steps run on it as `strata run` processes."""
 
-    def run(self, *args: str, rc: int | None = 0, input: str | None = None
-            ) -> subprocess.CompletedProcess[str]:
-        p = subprocess.run([*STRATA, *args], env=self.env, capture_output=True, text=True,
-                           timeout=120, input=input)
-        if rc is not None:
-            assert p.returncode == rc, (args, p.returncode, p.stdout, p.stderr)
-        return p
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, STRATA_SCRATCH=str(root / "scratch"),
+                         XDG_CACHE_HOME=str(root / "cache"))
+        self.scratch = root / "scratch"
 
     def step_argv(self, specs: Sequence[str], cmd: Sequence[str], sandbox: str = "none",
                   *extra: str) -> list[str]:

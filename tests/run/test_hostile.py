@@ -22,7 +22,6 @@ import shutil
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -443,7 +442,6 @@ def python_root(target: Path) -> Path:
 @needs_bwrap
 def test_hostile_probe_in_a_workspace_root(senv: StepEnv) -> None:
     """The same probe with a workspace as the sandbox's whole root (`--root ws:box`)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "workspace"))
     from ws_harness import cleanup
     senv.env["STRATA_WORKSPACE_STATE"] = str(senv.root / "state")
     try:

@@ -9,14 +9,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from run_harness import StepEnv
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "workspace"))
-from ws_harness import tiny_root  # noqa: E402
+from ws_harness import tiny_root
 
 SANDBOXES = ["bwrap", pytest.param("gvisor", marks=pytest.mark.skipif(
     shutil.which("runsc") is None, reason="gVisor (runsc) is not installed"))]
@@ -129,7 +126,7 @@ def test_a_step_writes_where_the_callers_files_stand(senv: StepEnv, sandbox: str
     """A redirected stdout under gVisor was written from offset 0, over the caller's lines."""
     import shlex
 
-    from run_harness import STRATA
+    from strata_harness import STRATA
     run = shlex.join([*STRATA, "run", "-v", "v", "--sandbox", sandbox, "--",
                       "sh", "-c", "echo STEP-OUT; echo STEP-ERR >&2"])
     out, err = senv.root / "out", senv.root / "err"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from run_harness import StepEnv, finish, pid_alive, wait_for
 
-from strata.run import client
+from strata.run import protocol
 
 VOL = '"$STRATA_STORAGE/v"'
 
@@ -33,7 +33,7 @@ def sh(script: str) -> list[str]:
 def service_pids(senv: StepEnv) -> list[int]:
     """The step service of this test's store, if one runs (its pid is in its lock file)."""
     try:
-        pid = int((senv.store / client.LOCK_NAME).read_text())
+        pid = int((senv.store / protocol.LOCK_NAME).read_text())
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             args = [os.fsdecode(a) for a in f.read().split(b"\0") if a]
     except (OSError, ValueError):
@@ -57,7 +57,7 @@ def test_the_command_gets_the_callers_stdio_and_publishes(senv: StepEnv) -> None
     assert json.loads(p.stdout[len("from stdin\n"):])["published"]["v"] == senv.head("v")
     assert p.stderr == "err\n"
     assert senv.cat("v", "f") == "x\n"
-    mode = os.stat(client.socket_path(str(senv.store))).st_mode
+    mode = os.stat(protocol.socket_path(str(senv.store))).st_mode
     assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
     # A second step is served by the same service.
     first = the_service(senv)
@@ -113,13 +113,13 @@ def _raw(senv: StepEnv, data: bytes, fds: int = 3) -> dict[str, object] | None:
     null = os.open(os.devnull, os.O_RDWR)
     try:
         sock.settimeout(30)
-        sock.connect(client.socket_path(str(senv.store)))
+        sock.connect(protocol.socket_path(str(senv.store)))
         with contextlib.suppress(BrokenPipeError):  # refused before it was all sent
             sent = socket.send_fds(sock, [data], [null] * fds) if fds else 0
             if sent < len(data):
                 sock.sendall(data[sent:])
             sock.shutdown(socket.SHUT_WR)
-        return client.read_frame(sock, client.MAX_ANSWER)
+        return protocol.read_frame(sock, protocol.MAX_ANSWER)
     finally:
         sock.close()
         os.close(null)
@@ -128,7 +128,7 @@ def _raw(senv: StepEnv, data: bytes, fds: int = 3) -> dict[str, object] | None:
 def test_malformed_requests_are_refused_and_the_service_keeps_serving(senv: StepEnv) -> None:
     assert senv.step(["v"], sh("true")).rc == 0  # the service is up
     service = the_service(senv)
-    good = {"v": client.PROTOCOL, "argv": ["sh", "-c", f"echo x > {VOL}/bad"], "specs": ["v"],
+    good = {"v": protocol.PROTOCOL, "argv": ["sh", "-c", f"echo x > {VOL}/bad"], "specs": ["v"],
             "sandbox": "none", "timeout": None, "memory": None, "network": False,
             "message": None, "identical": False, "env": {"PATH": os.environ["PATH"]},
             "cwd": "/", "umask": 0o22}
@@ -139,12 +139,12 @@ def test_malformed_requests_are_refused_and_the_service_keeps_serving(senv: Step
         {"cwd": "relative"}, {"umask": 0o1777}, {"surprise": 1},
     ]
     for change in bad_fields:
-        answer = _raw(senv, client.frame({**good, **change}))
+        answer = _raw(senv, protocol.frame({**good, **change}))
         assert answer is not None and answer["event"] == "error", (change, answer)
     for data, fds in [
-        (client.frame(good), 0),                          # no descriptors
-        (client.frame(good), 2),                          # too few
-        ((client.MAX_REQUEST + 1).to_bytes(4, "big"), 3),  # a body over the limit
+        (protocol.frame(good), 0),                          # no descriptors
+        (protocol.frame(good), 2),                          # too few
+        ((protocol.MAX_REQUEST + 1).to_bytes(4, "big"), 3),  # a body over the limit
         (b"\x00\x00\x00\x10{not json", 3),                # cut short
         (b"\x00\x00\x00\x02[]", 3),                       # not an object
     ]:
@@ -153,7 +153,7 @@ def test_malformed_requests_are_refused_and_the_service_keeps_serving(senv: Step
         assert answer["code"] == 2
     target = senv.root / "mnt"
     target.mkdir()
-    mount = {"v": client.PROTOCOL, "op": "mount", "refs": [["", "v", "live", None, False]],
+    mount = {"v": protocol.PROTOCOL, "op": "mount", "refs": [["", "v", "live", None, False]],
              "target": str(target), "ro": False, "single": True,
              "env": {"PATH": os.environ["PATH"]}, "cwd": "/", "umask": 0o22}
     ref = ["", "v", "live", None, False]
@@ -164,11 +164,11 @@ def test_malformed_requests_are_refused_and_the_service_keeps_serving(senv: Step
         {"refs": [["", "v", "live", "zz", False]]}, {"target": "relative"},
         {"target": str(senv.root / "missing")}, {"single": "yes"}, {"argv": ["true"]},
     ]:
-        answer = _raw(senv, client.frame({**mount, **change}))
+        answer = _raw(senv, protocol.frame({**mount, **change}))
         assert answer is not None and answer["event"] == "error", (change, answer)
     assert not os.path.ismount(target)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # connects, says nothing
-    sock.connect(client.socket_path(str(senv.store)))
+    sock.connect(protocol.socket_path(str(senv.store)))
     sock.close()
     assert service_pids(senv) == [service]
     assert senv.step(["v"], sh(f"echo y > {VOL}/g")).rc == 0
@@ -190,7 +190,7 @@ def test_the_service_leaves_with_the_server(senv: StepEnv, tmp_path: Path) -> No
     service = the_service(senv)
     senv.run("serve", "--stop")
     assert wait_for(lambda: not pid_alive(service), 10), "the service outlived the server"
-    assert not os.path.exists(client.socket_path(str(senv.store)))
+    assert not os.path.exists(protocol.socket_path(str(senv.store)))
     # The next step starts both again.
     assert senv.step(["v"], sh(f"echo x > {VOL}/f")).rc == 0
     assert senv.ls("v") == ["f"]

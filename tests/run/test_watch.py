@@ -8,7 +8,9 @@ import threading
 import time
 from typing import Any
 
-from run_harness import STRATA, StepEnv, finish
+from run_harness import StepEnv, finish
+
+from strata_harness import STRATA
 
 
 def _reader(proc: subprocess.Popen[str], out: list[dict[str, Any]]) -> None:
@@ -89,3 +91,29 @@ def test_failed_timed_out_and_oom_steps_appear_in_watch(senv: StepEnv) -> None:
     assert [(e["run"], e["status"], e["timed_out"]) for e in steps] == [
         (failed.out["run"], 7, False), (slow.out["run"], 124, True)]
     assert steps[0]["argv"][:2] == ["sh", "-c"] and steps[0]["branch"] == "live"
+
+
+def test_a_watched_server_does_not_exit_when_idle(senv: StepEnv) -> None:
+    """A watched server stays up past its idle limit.
+
+    It exited 5 s after the last request (the tests' limit), and the watch then
+    reconnected to a new server: a publish landing in that gap came late, or not at all.
+    """
+    env = {**senv.env, "STRATA_SERVER_IDLE_EXIT": "1"}
+    senv.run("serve", "--stop")
+    subprocess.run([*STRATA, "ls", "v"], env=env, check=True, capture_output=True)
+    watch = subprocess.Popen([*STRATA, "watch", "v", "--json"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events: list[dict[str, Any]] = []
+    threading.Thread(target=_reader, args=(watch, events), daemon=True).start()
+    try:
+        assert _wait(lambda: any(e["type"] == "hello" for e in events), 20), events
+        epoch = events[0]["epoch"]
+        time.sleep(4)  # four idle limits, and no request but the stream
+        senv.run("put", "v", "late", input="x\n")
+        assert _wait(lambda: any(e["type"] == "publish" for e in events), 20), events
+    finally:
+        watch.terminate()
+        watch.wait(10)
+    assert [e["type"] for e in events] == ["hello", "publish"], events
+    assert events[1]["seq"] > 0 and events[0]["epoch"] == epoch

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import blake3
 
+# Run as a script, this file gets only its own directory on sys.path, not pytest's
+# `pythonpath`; crash_writer lives one directory up.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from crash_writer import content_of  # noqa: E402
 from strata.engine.txn import INLINE_PUBLISH_BYTES, Transaction  # noqa: E402

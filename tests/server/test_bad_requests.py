@@ -14,13 +14,12 @@ import json
 import os
 import re
 import socket
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from serverutil import Server
 from strata.engine.local import init_store
 from strata.engine.objects import (
     BLOCK,
@@ -38,9 +37,6 @@ from strata.engine.objects import (
 from strata.engine.txn import Transaction
 from strata.server import wire
 from strata.server.client import RemoteStore, http_connection
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serverutil import Server  # noqa: E402
 
 MAX_BODY = wire.MAX_BODY
 

@@ -19,17 +19,15 @@ import threading
 import time
 from pathlib import Path
 
+from crash_client import content
+
+from serverutil import Server
 from strata.engine.local import init_store
 from strata.engine.objects import K_FILE
 from strata.engine.txn import Transaction
 from strata.server.client import RemoteStore
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from crash_client import content  # noqa: E402
-
-from serverutil import Server  # noqa: E402
 
 CLIENTS = 4
 KILLS = 6

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,13 +36,11 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from serverutil import Server, cli, free_port
 from strata.engine.local import init_store
 from strata.engine.txn import Transaction
 from strata.server.client import RemoteStore
 from strata.server.openapi import OPENAPI
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serverutil import Server, cli, free_port  # noqa: E402
 
 # Per operation and mode (18 x 2 x 6 = 216 requests); raise it to hunt: STRATA_FUZZ_EXAMPLES=200.
 EXAMPLES = int(os.environ.get("STRATA_FUZZ_EXAMPLES", "6"))

@@ -26,7 +26,6 @@ import http.client
 import json
 import os
 import socket
-import sys
 import threading
 import time
 import zlib
@@ -36,14 +35,12 @@ from pathlib import Path
 
 import pytest
 
+from serverutil import Server, cli, free_port, peak_rss, reset_peak
 from strata.engine.interface import ChangeSet
 from strata.engine.local import LocalStore, init_store
 from strata.engine.objects import FILENODE, K_FILE, ZERO_ID, Entry, FileNode, object_id
 from strata.engine.txn import Transaction
 from strata.server.client import RemoteStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serverutil import Server, cli, free_port, peak_rss, reset_peak  # noqa: E402
 
 SECONDS = float(os.environ.get("STRATA_FUZZ_TRAFFIC", "0"))
 MIB = 1024 * 1024

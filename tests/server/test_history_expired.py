@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import http.cookiejar
 import json
-import sys
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serverutil import Server, cli, free_port  # noqa: E402
-from strata.engine.local import init_store  # noqa: E402
+from serverutil import Server, cli, free_port
+from strata.engine.local import init_store
 
 
 def test_history_ends_at_the_first_expired_snapshot(tmp_path: Path) -> None:

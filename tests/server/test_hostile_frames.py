@@ -13,15 +13,13 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serverutil import Server, cli, free_port, served_volume  # noqa: E402
-from strata.engine import pack as packfmt  # noqa: E402
-from strata.engine.local import MAX_OBJECT, init_store  # noqa: E402
-from strata.engine.objects import BLOCK, object_id, packb  # noqa: E402
-from strata.server.wire import OBJ_HEAD  # noqa: E402
+from serverutil import Server, cli, free_port, served_volume
+from strata.engine import pack as packfmt
+from strata.engine.local import MAX_OBJECT, init_store
+from strata.engine.objects import BLOCK, object_id, packb
+from strata.server.wire import OBJ_HEAD
 
 
 def forged_commit(marker: bytes) -> bytes:

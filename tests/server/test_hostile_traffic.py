@@ -22,7 +22,6 @@ import json
 import resource
 import select
 import socket
-import sys
 import threading
 import time
 import zlib
@@ -31,11 +30,9 @@ from pathlib import Path
 
 import pytest
 
+from serverutil import Server, cli, free_port, peak_rss, reset_peak, served_volume
 from strata.engine.local import init_store
 from strata.server.client import RemoteStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serverutil import Server, cli, free_port, peak_rss, reset_peak, served_volume  # noqa: E402
 
 MIB = 1024 * 1024
 HEADER_TIMEOUT = 10.0  # serve.HEADER_TIMEOUT

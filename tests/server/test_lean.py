@@ -12,7 +12,6 @@ import contextlib
 import os
 import socket
 import struct
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,13 +20,12 @@ from typing import Any
 import msgpack
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serverutil import Server  # noqa: E402
-from strata.engine.errors import NotFound  # noqa: E402
-from strata.engine.local import init_store  # noqa: E402
-from strata.engine.txn import Transaction  # noqa: E402
-from strata.server.client import RemoteStore  # noqa: E402
-from strata.server.wire import MAX_BODY, lean_path  # noqa: E402
+from serverutil import Server
+from strata.engine.errors import NotFound
+from strata.engine.local import init_store
+from strata.engine.txn import Transaction
+from strata.server.client import RemoteStore
+from strata.server.wire import MAX_BODY, lean_path
 
 FRAME = struct.Struct(">I")
 

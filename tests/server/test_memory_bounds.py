@@ -15,16 +15,14 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serverutil import Server, cli, free_port, peak_rss, reset_peak  # noqa: E402
-from strata.engine.local import init_store  # noqa: E402
-from strata.engine.objects import BLOCK, object_id  # noqa: E402
-from strata.server.client import RemoteStore  # noqa: E402
+from serverutil import Server, cli, free_port, peak_rss, reset_peak
+from strata.engine.local import init_store
+from strata.engine.objects import BLOCK, object_id
+from strata.server.client import RemoteStore
 
 MIB = 1024 * 1024
 

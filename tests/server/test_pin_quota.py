@@ -9,17 +9,15 @@ owner's pins are counted apart.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serverutil import Server, cli, free_port  # noqa: E402
-from strata.engine.errors import Unavailable  # noqa: E402
-from strata.engine.gc import TOKEN_PINS  # noqa: E402
-from strata.engine.local import init_store  # noqa: E402
-from strata.server.client import RemoteStore  # noqa: E402
+from serverutil import Server, cli, free_port
+from strata.engine.errors import Unavailable
+from strata.engine.gc import TOKEN_PINS
+from strata.engine.local import init_store
+from strata.server.client import RemoteStore
 
 
 def test_a_token_cannot_exhaust_the_owners_pins(tmp_path: Path) -> None:

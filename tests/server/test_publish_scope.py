@@ -10,17 +10,15 @@ looked at, and A's tokens (the web view's included) could then read all of X.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serverutil import Server, cli, free_port  # noqa: E402
-from strata.engine.errors import InvalidInput  # noqa: E402
-from strata.engine.interface import ChangeSet  # noqa: E402
-from strata.engine.local import init_store  # noqa: E402
-from strata.engine.objects import (  # noqa: E402
+from serverutil import Server, cli, free_port
+from strata.engine.errors import InvalidInput
+from strata.engine.interface import ChangeSet
+from strata.engine.local import init_store
+from strata.engine.objects import (
     FILENODE,
     K_DIR,
     K_FILE,
@@ -30,7 +28,7 @@ from strata.engine.objects import (  # noqa: E402
     TreeNode,
     object_id,
 )
-from strata.server.client import RemoteStore  # noqa: E402
+from strata.server.client import RemoteStore
 
 SECRET = b"volume b's secret, never volume a's\n" * 4096  # one block of 144 KiB and more
 

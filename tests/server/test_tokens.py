@@ -14,7 +14,6 @@ import json
 import os
 import stat
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from serverutil import Server, cli, free_port
 from strata.engine.errors import (
     Forbidden,
     InvalidInput,
@@ -45,9 +45,6 @@ from strata.engine.txn import Transaction
 from strata.server import tokens as tokens_mod
 from strata.server import wire
 from strata.server.client import RemoteStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serverutil import Server, cli, free_port  # noqa: E402
 
 
 class Env:

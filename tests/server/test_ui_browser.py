@@ -18,7 +18,6 @@ import json
 import os
 import sqlite3
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,12 +34,11 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
+from serverutil import Server, cli, free_port
 from strata.engine.local import init_store
 from strata.engine.txn import Transaction
 from strata.server.client import RemoteStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serverutil import STRATA, Server, cli, free_port  # noqa: E402
+from strata_harness import STRATA
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

@@ -17,7 +17,6 @@ import http.client
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from typing import Any
 import blake3
 import pytest
 
+from serverutil import Server, cli, free_port, peak_rss, reset_peak
 from strata.engine.interface import ChangeSet
 from strata.engine.local import LocalStore, init_store
 from strata.engine.objects import (
@@ -42,9 +42,6 @@ from strata.engine.objects import (
     object_id,
 )
 from strata.engine.txn import Transaction
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serverutil import Server, cli, free_port, peak_rss, reset_peak  # noqa: E402
 
 MIB = 1024 * 1024
 BLOCK_SIZE = 16 * MIB

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from ws_harness import WsEnv, cleanup
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serverutil import Server  # noqa: E402
+from serverutil import Server
 
 
 @pytest.fixture

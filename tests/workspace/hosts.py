@@ -98,7 +98,7 @@ class Host:
         flight leaves them waiting, and the loop device and ext4 above alive,
         on this machine that outlives the "host".
         """
-        from strata.workspace.attach import abort_fuse, fuse_connections
+        from strata.workspace.ext4 import abort_fuse, fuse_connections
         try:
             with open(f"/proc/{self.pid}/mountinfo") as f:
                 conns = fuse_connections(f.read())
@@ -120,7 +120,7 @@ class Host:
         if getattr(self, "sleeper", None) is not None and self.sleeper.poll() is None:
             # As in `lose`: a daemon that is the last process of this namespace would
             # otherwise wait forever on itself to flush the filesystem it unmounts.
-            from strata.workspace.attach import abort_fuse, fuse_connections
+            from strata.workspace.ext4 import abort_fuse, fuse_connections
             try:
                 with open(f"/proc/{getattr(self, 'pid', 0)}/mountinfo") as f:
                     conns = fuse_connections(f.read())

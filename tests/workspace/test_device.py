@@ -6,23 +6,18 @@ flushed is what a new host finds.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from serverutil import Server
 from strata.engine.errors import Forbidden
 from strata.engine.local import init_store
 from strata.server.client import RemoteStore
-from strata.workspace.attach import create, read_layout
-from strata.workspace.device import Device, DeviceError, Layout
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serverutil import Server  # noqa: E402
+from strata.workspace.device import Device, DeviceError, Layout, create, read_layout
 
 BLOCK = 4096
 EXTENT = 4 * BLOCK

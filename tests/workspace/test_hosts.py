@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 from hosts import Host
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from serverutil import Server, cli, free_port  # noqa: E402
+from serverutil import Server, cli, free_port
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable

@@ -16,11 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from ws_harness import WsEnv
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mount"))
-from fsutil import diff_states, tree_state, varied_tree  # noqa: E402
-from test_tools import (  # noqa: E402
+from fsutil import diff_states, tree_state, varied_tree
+from test_tools import (
     BACKEND,
     MAKEFILE,
     PROBE,
@@ -29,6 +26,7 @@ from test_tools import (  # noqa: E402
     npm_install,
     npm_packages,
 )
+from ws_harness import WsEnv
 
 
 def run(*cmd: object, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:

@@ -95,7 +95,7 @@ def test_volumes_beside_a_workspace_root_are_a_transaction_the_root_is_not(
 def test_a_runner_that_dies_leaves_no_workspace_attached(wsenv: WsEnv, sandbox: str) -> None:
     import time
 
-    from ws_harness import STRATA
+    from strata_harness import STRATA
     seed = tiny_root(wsenv.root / "seed", ("sh", "sleep"))
     wsenv.run("workspace", "create", "box", "--size", "1G", "--seed", str(seed))
     scratch = wsenv.root / "scratch"

@@ -16,7 +16,7 @@ WRITER = str(Path(__file__).with_name("ws_writer.py"))
 
 
 def _state(env: WsEnv, d: Path) -> dict[str, object]:
-    from strata.workspace.attach import state_dir_for
+    from strata.workspace.state import state_dir_for
     os.environ["STRATA_WORKSPACE_STATE"] = env.env["STRATA_WORKSPACE_STATE"]
     with open(os.path.join(env.root / "state", os.path.basename(state_dir_for(str(d))),
                            "state.json")) as f:
@@ -132,7 +132,7 @@ def test_detach_gives_back_what_the_filesystem_freed(wsenv: WsEnv) -> None:
 
 
 def test_free_ranges_read_from_dumpe2fs() -> None:
-    from strata.workspace.attach import free_ranges
+    from strata.workspace.ext4 import free_ranges
     out = ("Free blocks:              1000\nBlock size:               4096\n"
            "Group 0: (Blocks 0-32767)\n  Free blocks: 10-19, 30\n  Free inodes: 12-100\n"
            "Group 1: (Blocks 32768-65535)\n  Free blocks: \n")

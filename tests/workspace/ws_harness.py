@@ -8,28 +8,17 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-STRATA = [sys.executable, "-m", "strata"]
+from strata_harness import StrataEnv
 
 
-class WsEnv:
+class WsEnv(StrataEnv):
     """A store with its server, and a `strata` that talks to it."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.store = root / "store"
-        self.env = {**os.environ, "STRATA_STORE": str(self.store),
-                    "STRATA_WORKSPACE_STATE": str(root / "state")}
+        super().__init__(root, STRATA_WORKSPACE_STATE=str(root / "state"))
         self.attached: list[Path] = []
-
-    def run(self, *args: str, rc: int | None = 0) -> subprocess.CompletedProcess[str]:
-        p = subprocess.run([*STRATA, *args], env=self.env, capture_output=True, text=True,
-                           timeout=120)
-        if rc is not None:
-            assert p.returncode == rc, (args, p.returncode, p.stdout, p.stderr)
-        return p
 
     def attach(self, name: str, dirname: str) -> Path:
         d = self.root / dirname
@@ -45,7 +34,7 @@ class WsEnv:
 
 def cleanup(root: Path) -> None:
     """Lazily unmount everything under `root`, and abort its FUSE connections."""
-    from strata.workspace.attach import abort_fuse, fuse_connections
+    from strata.workspace.ext4 import abort_fuse, fuse_connections
     lines = [ln for ln in open("/proc/self/mountinfo").read().splitlines()
              if ln.split()[4].startswith(str(root))]
     for line in reversed(lines):

@@ -14,6 +14,7 @@ from strata.cli.common import (
     open_store,
     parse_size,
     print_json,
+    show_path,
     store_path,
 )
 from strata.engine.errors import InvalidInput
@@ -148,6 +149,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_affected(entry: dict[str, Any]) -> None:
+    """The places a damaged or missing object costs: VOLUME@BRANCH:PATH, VOLUME#SNAPSHOT:PATH."""
+    if "affected" not in entry:
+        return  # a server older than this client, or nothing to name (a torn tail)
+    places, more = entry["affected"], entry.get("affected_more", 0)
+    if not places:
+        print("  no branch or kept snapshot reaches it")
+        return
+    for p in places:
+        ref = (f"{p['volume']}@{p['branch']}" if "branch" in p
+               else f"{p['volume']}#{p['snapshot'][:12]}")
+        print(f"  {ref}:{show_path(p['path'])}" if p["path"] else f"  {ref}")
+    if more:
+        print(f"  ... and {more} more")
+
+
 def cmd_fsck(args: argparse.Namespace) -> int:
     from strata.engine.local import LocalStore
     from strata.server.client import RemoteStore
@@ -173,9 +190,12 @@ def cmd_fsck(args: argparse.Namespace) -> int:
               f"at offset {t['offset']}")
     for d in report["damaged"]:
         where = f"{d['pack']} at offset {d['offset']}" if "pack" in d else d.get("object", "?")
-        print(f"damaged: {where}: {d['reason']}")
+        what = f" ({d['kind']} {d['object']})" if "pack" in d and "object" in d else ""
+        print(f"damaged: {where}{what}: {d['reason']}")
+        _print_affected(d)
     for m in report["missing"]:
         print(f"missing: {m['kind']} {m['object']} (reachable from {m['from']})")
+        _print_affected(m)
     if report["index_mismatch"]:
         print(f"index: {report['index_mismatch']} entr(ies) disagree with the packs "
               "(run with --rebuild-index)")

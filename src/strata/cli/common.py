@@ -106,7 +106,9 @@ def ensure_server(path: str, timeout: float = 15.0) -> str:
     if is_serving(sock):
         return sock
     import subprocess
-    idle = os.environ.get("STRATA_SERVER_IDLE_EXIT", "300")
+
+    from strata.procs import idle_exit
+    idle = repr(idle_exit())
     # Owner only, like every store file (requests and errors name volumes and paths).
     log_path = os.path.join(path, "serve.log")
     with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
@@ -251,6 +253,40 @@ class Progress:
     def close(self) -> None:
         if self.drawn and self.tty:
             print(file=sys.stderr)
+
+
+@contextmanager
+def progress_bar(what: str, enabled: bool | None = None
+                 ) -> Iterator[Callable[..., None] | None]:
+    """A rich progress bar on stderr when it is a terminal; otherwise nothing (None).
+
+    The callback takes (done, total) and optionally the phase under way, shown in
+    place of `what`; a total of 0 is not known ahead (a count, or none while 0).
+    The bar animates on its own, so work that reports nothing still shows it goes on.
+    """
+    if not (sys.stderr.isatty() if enabled is None else enabled):
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.fields[count]}"), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=None, count="")
+
+        def update(done: int, total: int, phase: str | None = None) -> None:
+            count = f"{done}/{total}" if total else (str(done) if done else "")
+            bar.update(task, completed=done, total=total or None, count=count,
+                       description=phase or what)
+
+        yield update
 
 
 def short(sid: str | None) -> str:

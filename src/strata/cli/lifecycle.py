@@ -6,7 +6,7 @@ import argparse
 import re
 from typing import Any
 
-from strata.cli.common import open_remote, open_store, parse_ref, print_json
+from strata.cli.common import open_remote, open_store, parse_ref, print_json, progress_bar
 from strata.cli.show import fmt_duration
 from strata.engine.errors import InvalidInput
 from strata.engine.names import check_branch
@@ -70,8 +70,20 @@ def cmd_gc(args: argparse.Namespace) -> int:
     payload: dict[str, Any] = {"dry_run": bool(args.dry_run)}
     if args.min_age is not None:
         payload["min_age"] = args.min_age
-    with open_remote(args) as store:
-        report = store.admin("POST", "gc", payload)
+    from strata.engine.local import LocalStore
+    from strata.server.client import RemoteStore
+    with open_store(args) as store:
+        if isinstance(store, LocalStore):  # STRATA_IN_PROCESS=1: the phases, as they start
+            with progress_bar("garbage collection") as progress:
+                report = store.gc(dry_run=payload["dry_run"], progress=progress,
+                                  **({"min_age": args.min_age} if args.min_age is not None
+                                     else {}))
+        else:
+            # The pass runs in the server, which does not say how far it got: the bar
+            # shows only that it goes on, and for how long.
+            assert isinstance(store, RemoteStore)
+            with progress_bar("garbage collection (in the server)"):
+                report = store.admin("POST", "gc", payload)
     if args.json:
         print_json(report)
         return 0

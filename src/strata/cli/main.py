@@ -5,8 +5,9 @@ conflicting paths follow on stderr, one a line), 4 not found.
 
 Start-up time is part of every command, so this module imports almost
 nothing: `strata ls` first tries `fastls` (one request on the lean stream, no
-argparse), and otherwise `parser.py` builds the parser; a command whose name
-is known (`COMMANDS`) builds only its own module's parsers. Heavy modules (the engine,
+argparse), and otherwise `parser.py` builds the parser (imported only then); a
+command whose name is known (`parser.COMMANDS`) builds only its own module's
+parsers. Heavy modules (the engine,
 aiohttp, pyfuse3, trio, rich) are imported by the command functions that need
 them; tests/test_cli_imports.py holds the budget.
 """
@@ -20,28 +21,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
     from collections.abc import Sequence
-
-# Which module registers each top-level command (tests/test_cli_imports.py checks
-# that this table and the modules agree).
-MODULES = ("admin", "volumes", "branches", "lifecycle", "read", "write", "serve", "mount",
-           "run", "watch", "workspace")
-COMMANDS = {
-    "init": "admin", "restore": "admin", "stats": "admin", "fsck": "admin",
-    "volume": "volumes", "branch": "branches", "fork": "branches",
-    "gc": "lifecycle", "tag": "lifecycle", "policy": "lifecycle",
-    "log": "read", "ls": "read", "cat": "read", "stat": "read", "diff": "read",
-    "put": "write", "rm": "write", "import": "write", "export": "write",
-    "serve": "serve", "token": "serve",
-    "mount": "mount", "commit": "mount", "status": "mount", "unmount": "mount",
-    "run": "run", "watch": "watch", "ui": "watch", "workspace": "workspace",
-}
-
-EPILOG = """\
-A REF is VOLUME, VOLUME@BRANCH (the branch defaults to 'live') or VOLUME#SNAPSHOT
-(a snapshot id or a unique prefix of at least 8 hex digits).
-
-exit codes: 0 ok, 1 error, 2 usage, 3 conflict (paths on stderr), 4 not found
-"""
 
 
 def _command_of(argv: Sequence[str]) -> str | None:
@@ -79,14 +58,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from strata.cli.common import unquote_path
     from strata.cli.show import quote_path
     from strata.engine.errors import Conflict, StrataError
-    from strata.logs import configure_from_args
     args = build_parser(command).parse_args(argv)
     # Names that are not UTF-8 come back out as the bytes they were, as `ls` does.
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="surrogateescape")
     debug = bool(getattr(args, "debug", False))
-    configure_from_args(getattr(args, "log_level", None), bool(getattr(args, "log_json", False)))
+    if getattr(args, "log_level", None) or getattr(args, "log_json", False):
+        from strata.logs import configure_from_args  # only then: logging is no light import
+        configure_from_args(getattr(args, "log_level", None), bool(getattr(args, "log_json",
+                                                                            False)))
     if isinstance(getattr(args, "path", None), str):
         args.path = unquote_path(args.path)  # a name typed as the CLI shows it
     try:

@@ -63,6 +63,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
 
+    r = sub.add_parser("reload", parents=[common],
+                       help="move a mount onto its branch's head, keeping uncommitted changes")
+    r.add_argument("dir", metavar="DIR", help="a mount point of `strata mount`")
+    r.set_defaults(func=cmd_reload, exit_at_once=True)
+
     u = sub.add_parser("unmount", parents=[common], help="unmount (refuses to drop changes)")
     u.add_argument("dir", metavar="DIR", help="a mount point of `strata mount`")
     u.add_argument("--discard", action="store_true", help="drop uncommitted changes")
@@ -126,6 +131,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
             and os.environ.get("STRATA_MOUNT_IN_PROCESS") != "1"):
         return _mount_via_service(args, target, single)
     from strata.mount.session import MountRef, mount_volumes, new_state
+    from strata.procs import keepalive_every
     refs = [MountRef(*r) for r in _mount_refs(args)]
     with open_remote(args) as store:
         vols = mount_volumes(store, refs, ro=args.ro, single=single)
@@ -139,8 +145,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         # it for its whole life: the mount process keeps it busy, and commit,
         # status and unmount start it again if it is gone.
         state.extra["store"] = store_path(args)
-        idle = float(os.environ.get("STRATA_SERVER_IDLE_EXIT", "300"))
-        state.extra["keepalive"] = max(min(idle / 3, 60.0), 0.5)
+        state.extra["keepalive"] = keepalive_every()
     state.save()
     return serve_mount(state, background=args.background)
 
@@ -196,13 +201,32 @@ def cmd_commit(args: argparse.Namespace) -> int:
             # A script asked for JSON: the conflict is an answer, on stdout, exit 3.
             print_json({"published": {}, "conflicts": exc.paths, "changed": 0})
             return exc.exit_code
+        # Onto what it published, so the upper directory keeps only what is uncommitted
+        # (mount/move.py); a mount in use stays, and says why.
+        from strata.mount.move import after_commit
+        now, stayed = after_commit(store, state)
     if args.json:
         print_json({"published": result.published, "changed": result.changed_paths,
                     "uploaded_bytes": result.uploaded_bytes, "seconds": result.seconds,
-                    "read": {"files": result.read_files, "bytes": result.read_bytes}})
+                    "read": {"files": result.read_files, "bytes": result.read_bytes},
+                    "moved": now is not state,
+                    **({"stayed": stayed} if stayed else {})})
     else:
         for sid in result.published.values():
             print(sid)
+        if stayed:
+            print(f"strata: the mount stays on its snapshot ({stayed}); 'strata reload "
+                  f"{args.dir}' moves it when that is done", file=sys.stderr)
+    return 0
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    from strata.mount.move import reload
+    state = _state(args)
+    with _store_for(args, state) as store:
+        new = reload(store, state)
+    for v in new.volumes:
+        print(f"{v.name or v.volume}: {v.pinned}" if not new.single else v.pinned)
     return 0
 
 

@@ -1,7 +1,9 @@
 """The argument parser of every command (argparse), built only when a command needs it.
 
-`main.COMMANDS` says which module registers each command; with a known
-command only that module is imported and registered.
+It owns the command table: `COMMANDS` says which module registers each
+command, and with a known command only that module is imported and
+registered. `cli/main.py` imports this module only once it needs a parser
+(never for the fast `strata ls`); this module never imports main.
 """
 
 from __future__ import annotations
@@ -13,8 +15,29 @@ from importlib import import_module
 from typing import Any
 
 from strata import __version__
-from strata.cli.main import COMMANDS, EPILOG, MODULES
-from strata.logs import LEVELS
+
+# Which module registers each top-level command (tests/test_cli_imports.py checks
+# that this table and the modules agree).
+MODULES = ("admin", "volumes", "branches", "lifecycle", "read", "write", "serve", "mount",
+           "run", "watch", "workspace")
+COMMANDS = {
+    "init": "admin", "restore": "admin", "stats": "admin", "fsck": "admin",
+    "volume": "volumes", "branch": "branches", "fork": "branches",
+    "gc": "lifecycle", "tag": "lifecycle", "policy": "lifecycle",
+    "log": "read", "ls": "read", "cat": "read", "stat": "read", "diff": "read",
+    "put": "write", "rm": "write", "import": "write", "export": "write",
+    "serve": "serve", "token": "serve",
+    "mount": "mount", "commit": "mount", "status": "mount", "unmount": "mount",
+    "reload": "mount",
+    "run": "run", "watch": "watch", "ui": "watch", "workspace": "workspace",
+}
+
+EPILOG = """\
+A REF is VOLUME, VOLUME@BRANCH (the branch defaults to 'live') or VOLUME#SNAPSHOT
+(a snapshot id or a unique prefix of at least 8 hex digits).
+
+exit codes: 0 ok, 1 error, 2 usage, 3 conflict (paths on stderr), 4 not found
+"""
 
 
 def _width() -> int:
@@ -64,7 +87,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         help="bearer token for a TCP server (default: $STRATA_TOKEN)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show a traceback on errors")
-    common.add_argument("--log-level", choices=LEVELS, default=argparse.SUPPRESS,
+    # strata.logs.LEVELS, not imported: logging would weigh on every command's start.
+    common.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                        default=argparse.SUPPRESS,
                         help="what the processes this command starts log (default: "
                              "$STRATA_LOG_LEVEL, else info)")
     common.add_argument("--log-json", action="store_true", default=argparse.SUPPRESS,

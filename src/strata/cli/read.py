@@ -164,7 +164,7 @@ def cmd_stat(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from strata.engine.tree import Trees
+    from strata.engine.tree import Trees, change_kind
     ref_a, ref_b = parse_ref(args.ref_a), parse_ref(args.ref_b)
     with open_store(args) as store:
         sid_a, sid_b = ref_a.resolve(store), ref_b.resolve(store)
@@ -180,7 +180,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             root_a = store.snapshot(sid_a).root
             root_b = store.snapshot(sid_b).root
             for path, old, new in Trees(store).diff(root_a, root_b):
-                change = "added" if old is None else "deleted" if new is None else "modified"
+                change = change_kind(old, new)
                 rows.append({"path": path, "change": change})
     if args.json:
         print_json(rows)

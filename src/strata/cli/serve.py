@@ -14,9 +14,10 @@ from strata.cli.common import (
     open_remote,
     parse_size,
     print_json,
+    progress_bar,
     store_path,
 )
-from strata.cli.show import fmt_time
+from strata.cli.show import fmt_time, fmt_value
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -65,6 +66,27 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     ls.set_defaults(func=cmd_token_list)
 
 
+def _stopping(sock: str) -> str:
+    """What stopping the server on `sock` involves, as a progress bar's words."""
+    if not sys.stderr.isatty():
+        return "stopping"
+    from strata.engine.errors import StrataError
+    from strata.server.client import RemoteStore, is_serving
+    if not is_serving(sock):
+        return "stopping"
+    try:
+        store = RemoteStore(f"unix:{sock}")
+        try:
+            tier = store.admin("GET", "stats").get("bucket") or {}
+        finally:
+            store.close()
+    except StrataError:
+        return "stopping"
+    left = int(tier.get("unshipped_bytes") or 0) + int(tier.get("upload_queued_bytes") or 0)
+    return (f"stopping: uploading {fmt_value('bytes', left)} to the bucket" if left
+            else "stopping")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from strata.server.client import default_socket
     from strata.server.serve import (  # aiohttp: only when serving
@@ -74,7 +96,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     path = store_path(args)
     if args.stop:
-        stopped = stop_server(default_socket(path))
+        sock = default_socket(path)
+        # A bucket store's server uploads what it still holds before it goes: on a
+        # terminal, say how much, and show that it goes on.
+        with progress_bar(_stopping(sock)):
+            stopped = stop_server(sock)
         print("stopped" if stopped else "no server was running", file=sys.stderr)
         return 0
 

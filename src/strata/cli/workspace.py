@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from strata.cli.common import (
@@ -14,6 +15,7 @@ from strata.cli.common import (
     parse_ref,
     parse_size,
     print_json,
+    progress_bar,
     short,
 )
 from strata.engine.errors import InvalidInput
@@ -75,8 +77,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    from strata.workspace.attach import create
-    from strata.workspace.device import Layout
+    from strata.workspace.device import Layout, create
     size = -(-args.size // (1 << 20)) << 20  # whole extents
     with open_store(args) as store:
         head = create(store, args.name, Layout(size=size, block=args.block_size))
@@ -88,7 +89,6 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def _seed(store: RemoteStore, name: str, source: str) -> str:
-    import subprocess
     import tempfile
 
     from strata.workspace.attach import attach, detach
@@ -97,17 +97,49 @@ def _seed(store: RemoteStore, name: str, source: str) -> str:
     target = tempfile.mkdtemp(prefix="strata-seed-")
     try:
         attach(store.url, store.token, name, "live", target, owner=os.getpid())
-        try:
-            p = subprocess.run(["cp", "-a", "--", os.path.join(source, "."), target],
-                               capture_output=True, text=True)
-            if p.returncode != 0:
-                raise InvalidInput(f"seeding failed: {p.stderr.strip()[-500:]}")
-        finally:
-            detach(target)
+        with progress_bar("seeding") as progress:
+            try:
+                _copy_tree(source, target, progress)
+            finally:
+                if progress is not None:
+                    progress(0, 0, "seeding: flushing to the store")
+                detach(target)
     finally:
         with contextlib.suppress(OSError):
             os.rmdir(target)  # only when empty: never into a mounted workspace
     return store.head(name, "live")
+
+
+def _copy_tree(source: str, target: str, progress: Callable[..., None] | None) -> None:
+    """`cp -a` SOURCE/. into TARGET; on a terminal, entries copied of those counted first.
+
+    cp keeps what a copy must (owners, modes, links, xattrs, holes); with -v it
+    names each entry as it copies it, one line each, which is what is counted.
+    """
+    import subprocess
+    import tempfile
+
+    total = 0
+    if progress is not None:
+        for _dir, dirs, files in os.walk(source):
+            total += len(dirs) + len(files)
+        progress(0, total, "seeding: copying")
+    with tempfile.TemporaryFile() as errors:  # not a pipe: cp may say more than one holds
+        p = subprocess.Popen(["cp", "-a", *(["-v"] if progress else []), "--",
+                              os.path.join(source, "."), target],
+                             stdout=subprocess.PIPE if progress else subprocess.DEVNULL,
+                             stderr=errors)
+        if progress is not None and p.stdout is not None:
+            done = 0
+            for _line in p.stdout:
+                done += 1  # a name holding a newline counts twice: hence min()
+                if done % 16 == 0:
+                    progress(min(done, total), total, "seeding: copying")
+            progress(total, total, "seeding: copying")
+        if p.wait() != 0:
+            errors.seek(0)
+            said = errors.read()[-2000:].decode(errors="replace").strip()
+            raise InvalidInput(f"seeding failed: {said[-500:]}")
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
@@ -137,7 +169,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_fork(args: argparse.Namespace) -> int:
-    from strata.workspace.attach import read_layout
+    from strata.workspace.device import read_layout
     ref = parse_ref(args.name)
     new = args.new.split("@", 1)[1] if args.new.startswith(ref.volume + "@") else args.new
     check_branch(new)
@@ -149,7 +181,8 @@ def cmd_fork(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from strata.workspace.attach import attached, fenced_note, read_layout
+    from strata.workspace.device import read_layout
+    from strata.workspace.state import attached, fenced_note
     here = {(a.volume, a.branch): a.dir for a in attached()}
     fenced = {(a.volume, a.branch) for a in attached() if fenced_note(a) is not None}
     rows: list[dict[str, Any]] = []

@@ -11,11 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from strata.cli.common import open_store, parse_ref, quote_path, resolve_base
+from strata.cli.common import open_store, parse_ref, progress_bar, quote_path, resolve_base
 from strata.engine.names import split_path
 
 
@@ -104,29 +102,6 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
-@contextmanager
-def _progress_bar(enabled: bool, what: str = "importing"
-                  ) -> Iterator[Callable[[int, int], None] | None]:
-    """A rich progress bar on stderr when it is a terminal; otherwise nothing.
-
-    The callback takes (done, total); a total of 0 is not known ahead (a count).
-    """
-    if not enabled:
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    with Progress(what, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(what, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total or None)
-
-        yield update
-
-
 def cmd_import(args: argparse.Namespace) -> int:
     from strata.fsio import import_dir
     from strata.memtrim import return_large_buffers_to_the_os
@@ -138,7 +113,7 @@ def cmd_import(args: argparse.Namespace) -> int:
                else f"import {quote_path(os.path.abspath(src))}")
     with open_store(args) as store:
         base = resolve_base(store, args.base)
-        with _progress_bar(sys.stderr.isatty()) as progress:
+        with progress_bar("importing") as progress:
             sid = import_dir(store, ref.volume, branch, src, base=base, message=message,
                              progress=progress, identical=args.merge_identical)
     print(sid)
@@ -156,7 +131,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             with snapshot_files(store, ref.volume, sid) as root:
                 export(root, args.dir)
             return 0
-        with _progress_bar(sys.stderr.isatty(), "exporting") as progress:
+        with progress_bar("exporting") as progress:
             report = export_snapshot(store, sid, args.dir, privileged=args.privileged,
                                      progress=progress)
     for what in report.skipped:

@@ -143,3 +143,14 @@ class StoreFailed(StrataError):
 def no_object(oid: bytes) -> NotFound:
     """The one answer for an object that does not exist, or is out of the caller's scope."""
     return NotFound(f"object {oid.hex()} not found")
+
+
+class HelperFailed(StrataError):
+    """A process strata started for the caller (a workspace's attach daemon) could not do it.
+
+    Neither the request's fault nor worth an immediate retry: the message,
+    and the helper's own log, say why.
+    """
+
+    exit_code = 1
+    http_status = 500

@@ -36,7 +36,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -56,6 +56,9 @@ PIN_LIFETIME = 120.0           # pins must be renewed within this
 MAX_PINS = 100_000         # the owner's own pins (its mounts and steps)
 TOKEN_PINS = 4_096         # one token's pins at once
 ALL_TOKEN_PINS = 50_000    # every token's together: never the owner's share
+# (done, total, phase): the phases of one pass as they start, for a caller that shows them.
+GcProgress = Callable[[int, int, str], None]
+PHASES = ("expiring branches", "marking", "sweeping", "compacting")
 UPLOAD_PIN = 600.0             # objects uploaded or found present stay this long unpublished
 COMPACT_BELOW = 0.5            # a sealed pack under this fraction live is compacted
 POLICIES = "policies.json"     # where policies lived before the journal held them
@@ -376,7 +379,8 @@ class Collectable(Protocol):
 
 
 def collect(store: Collectable, journal: Journal, packs: PackStore, *,
-            min_age: float = DEFAULT_MIN_AGE, dry_run: bool = False) -> dict[str, Any]:
+            min_age: float = DEFAULT_MIN_AGE, dry_run: bool = False,
+            progress: GcProgress | None = None) -> dict[str, Any]:
     """One GC pass over `store` (see the module docstring); returns its report.
 
     `journal` and `packs` are the store's own: the pass seals and copies
@@ -387,7 +391,8 @@ def collect(store: Collectable, journal: Journal, packs: PackStore, *,
     with store.gc_lock:
         report = Report(dry_run=dry_run, min_age=min_age)
         t0 = time.monotonic()
-        _pass(store, journal, packs, report, min_age, dry_run)
+        _pass(store, journal, packs, report, min_age, dry_run,
+              progress or (lambda _d, _t, _p: None))
         report.seconds = round(time.monotonic() - t0, 4)
         out = report.as_dict()
         if not dry_run:
@@ -396,7 +401,7 @@ def collect(store: Collectable, journal: Journal, packs: PackStore, *,
 
 
 def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report,
-          min_age: float, dry_run: bool) -> None:
+          min_age: float, dry_run: bool, progress: GcProgress) -> None:
     blocked = store.gc_blocked()
     if blocked is not None:
         raise Unavailable(blocked)
@@ -407,6 +412,7 @@ def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report
     now = time.time()
 
     # 1. expire temporary branches
+    progress(0, len(PHASES), PHASES[0])
     for vol in store.list_volumes():
         for br, head in sorted(store.list_branches(vol).items()):
             if not br.startswith(TEMP_PREFIXES):
@@ -420,12 +426,14 @@ def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report
                         store.delete_branch(vol, br)
 
     # 2.-3. roots and mark
+    progress(1, len(PHASES), PHASES[1])
     live: set[bytes] = set()
     roots = _roots(store, now, report, skip=set(report.branches_expired) if dry_run else set())
     _mark(store, roots, live)
     report.snapshots_retained = len(roots)
 
     # 4. sweep (publishes wait for the short final part)
+    progress(2, len(PHASES), PHASES[2])
     young_pins = store.upload_pins()
     # Pins an earlier owner granted are not known here: wait them out. Without any
     # (a clean close with none held), only `min_age` shortens the wait after opening.
@@ -471,6 +479,7 @@ def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report
     report.dead_bytes = sum(loc.length for loc in candidates.values())
 
     # 5.-6. compaction and deferred deletion
+    progress(3, len(PHASES), PHASES[3])
     active = journal.end()[0]
     empty_before = _load_empty(store)
     empty_now: list[int] = []
@@ -499,6 +508,7 @@ def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report
     for n in empty_now if not dry_run else empty_now + compact:
         report.packs_pending.append(n)
         report.bytes_pending += packs.size(n)
+    progress(len(PHASES), len(PHASES), "done")
 
 
 def _load_empty(store: Collectable) -> set[int]:

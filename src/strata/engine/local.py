@@ -902,11 +902,12 @@ class LocalStore(Store):
 
     # -- garbage collection (engine/gc.py) ---------------------------------------------
 
-    def gc(self, *, min_age: float = gcmod.DEFAULT_MIN_AGE, dry_run: bool = False
-           ) -> dict[str, Any]:
+    def gc(self, *, min_age: float = gcmod.DEFAULT_MIN_AGE, dry_run: bool = False,
+           progress: gcmod.GcProgress | None = None) -> dict[str, Any]:
         """One garbage collection pass; returns what it found and freed."""
         self._check_open()
-        return gcmod.collect(self, self._journal, self._packs, min_age=min_age, dry_run=dry_run)
+        return gcmod.collect(self, self._journal, self._packs, min_age=min_age, dry_run=dry_run,
+                             progress=progress)
 
     def gc_blocked(self) -> str | None:
         """Why GC cannot run now, if it cannot."""

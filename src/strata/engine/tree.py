@@ -366,3 +366,8 @@ def encode_name(name: str) -> bytes:
 
 def decode_name(name: bytes) -> str:
     return name.decode("utf-8", "surrogateescape")
+
+
+def change_kind(old: Entry | None, new: Entry | None) -> str:
+    """What a line of `Trees.diff` did to its path: "added", "deleted" or "modified"."""
+    return "added" if old is None else "deleted" if new is None else "modified"

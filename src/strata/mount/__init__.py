@@ -4,6 +4,8 @@
 knows nothing of FUSE; `fuse.py` only translates it to pyfuse3; `cache.py` is
 the local content cache shared by mounts on a machine; `overlay.py` mounts
 kernel overlayfs over the FUSE view and turns its upper directory into a
-change set; `session.py` ties a mount's pieces and state together. Nothing
+change set; `session.py` ties a mount's pieces and state together;
+`process.py` is the process that serves one mount (`Prepared`: forked ahead
+of its mount); `mountinfo.py` reads what the kernel has mounted. Nothing
 here knows about packs or the index.
 """

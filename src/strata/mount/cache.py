@@ -9,6 +9,7 @@ past its limit the least recently used files are removed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -16,6 +17,8 @@ from collections.abc import Callable
 
 from strata.engine.errors import Corrupt
 from strata.engine.objects import KIND_NAMES, object_id
+
+log = logging.getLogger(__name__)
 
 DEFAULT_LIMIT = 4 * 1024 * 1024 * 1024
 

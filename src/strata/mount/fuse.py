@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes.util
 import errno
+import logging
 import os
 import stat as statmod
 from collections.abc import Callable
@@ -35,8 +36,11 @@ finally:
     ctypes.util.find_library = _real_find_library
 
 from strata.engine.objects import K_DIR, K_FILE, FileNode  # noqa: E402
+from strata.mount import mountinfo  # noqa: E402
 from strata.mount.idshift import shift  # noqa: E402
 from strata.mount.vfs import FsError, Node, SnapshotFS  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CACHE_SECONDS = 86400.0
@@ -67,11 +71,9 @@ class _ReadAheadTuner:
         # it, resolving the path would stat the mount's root, a request nobody serves.
         self.path: str | None = None
         try:
-            with open("/proc/self/mountinfo", "rb") as f:
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 4 and _unescape(fields[4]) == target:
-                        self.path = f"/sys/class/bdi/{fields[2].decode()}/read_ahead_kb"
+            for m in mountinfo.read():
+                if m.point == target:
+                    self.path = f"/sys/class/bdi/{m.device}/read_ahead_kb"
         except OSError:
             pass
 
@@ -81,22 +83,8 @@ class _ReadAheadTuner:
             try:
                 with open(path, "w") as f:
                     f.write(str(READ_AHEAD_KB))
-            except OSError:
-                pass
-
-
-def _unescape(field: bytes) -> str:
-    """A mountinfo path: spaces, tabs, newlines and backslashes come as octal escapes."""
-    out = bytearray()
-    i = 0
-    while i < len(field):
-        if field[i:i + 1] == b"\\" and field[i + 1:i + 4].isdigit():
-            out.append(int(field[i + 1:i + 4], 8))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return os.fsdecode(bytes(out))
+            except OSError as exc:  # best effort (see above): the kernel's default stays
+                log.debug("read-ahead not set: %s", exc)
 
 
 async def _call(fn: Callable[..., T], *args: Any) -> T:
@@ -106,7 +94,9 @@ async def _call(fn: Callable[..., T], *args: Any) -> T:
         raise pyfuse3.FUSEError(exc.errno) from None
     except FileNotFoundError:
         raise pyfuse3.FUSEError(errno.ENOENT) from None
-    except Exception:  # the store is unreachable or damaged: an I/O error, not a crash
+    except Exception as exc:  # the store is unreachable or damaged: an I/O error, not a crash
+        log.warning("a request fails with EIO: %s: %s", type(exc).__name__, exc,
+                    exc_info=log.isEnabledFor(logging.DEBUG))
         raise pyfuse3.FUSEError(errno.EIO) from None
 
 

@@ -15,6 +15,7 @@ so only changed blocks need uploading.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat as statmod
 from collections.abc import Iterator, Mapping
@@ -36,8 +37,11 @@ from strata.engine.objects import (
     object_id,
 )
 from strata.engine.tree import Trees, encode_name
+from strata.mount import mountinfo
 from strata.mount.idshift import unshift
 from strata.mount.statcache import Key, StatCache, stat_key
+
+log = logging.getLogger(__name__)
 
 OVERLAY_PREFIX = b"trusted.overlay."  # overlayfs' own markers, never published
 OPAQUE = OVERLAY_PREFIX + b"opaque"
@@ -129,8 +133,7 @@ def unmount(target: str, *, lazy: bool = False) -> None:
 
 def mount_points() -> list[str]:
     """Every mount point of this mount namespace, in mount order."""
-    with open("/proc/self/mountinfo") as f:
-        return [line.split()[4].encode().decode("unicode_escape") for line in f]
+    return [m.point for m in mountinfo.read()]
 
 
 def is_mountpoint(path: str) -> bool:

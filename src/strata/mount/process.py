@@ -6,12 +6,15 @@ With `watch_pid`, the mount process tears itself down, discarding the upper
 directories, as soon as that process is gone (first killing the process group
 the owner recorded as `pgid` in the state's `extra`, the processes using the
 mount): a step runner that dies publishes nothing and leaves no scratch behind.
+`Prepared` is a mount process forked before its mount exists (a runner's or
+a step service worker's), which `start_mount` starts once it does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -23,6 +26,8 @@ from strata.mount.overlay import MountError, unmount
 from strata.mount.session import MountState, mount_overlays, teardown
 from strata.procs import alive
 from strata.server.client import RemoteStore
+
+log = logging.getLogger(__name__)
 
 # Set by the watcher when it starts discarding, and when it is done: unmounting the
 # FUSE view ends the main loop, which must not exit the process half-way through.
@@ -56,8 +61,8 @@ class Prepared:
 
     A step's runner forks it first and pins, forks branches and writes the
     state while the child imports pyfuse3 and trio (~70 ms) on the other
-    core; `go` hands it the scratch directory and waits until the mount is
-    ready, as `start` does. Until then the child waits on a pipe, and exits
+    core; `start_mount` hands it the scratch directory and waits until the
+    mount is ready, as `start` does. Until then the child waits on a pipe, and exits
     when the runner closes it or dies (`cancel`, or the kernel closing it).
     """
 
@@ -102,7 +107,7 @@ class Prepared:
         finally:
             os._exit(code)
 
-    def go(self, state: MountState, env: dict[str, str] | None = None, *,
+    def start_mount(self, state: MountState, env: dict[str, str] | None = None, *,
            watch: bool = True) -> str | None:
         """Mount `state`; None once ready, else the error message.
 
@@ -224,6 +229,8 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
         try:
             mount_overlays(state)
         except Exception as exc:
+            log.warning("overlays on %s failed: %s", state.mountpoint, exc,
+                        exc_info=not isinstance(exc, StrataError))
             tell(str(exc).encode())
             with contextlib.suppress(MountError):
                 unmount(state.lower, lazy=True)
@@ -301,8 +308,10 @@ def _watch(pid: int, state: MountState) -> None:
             break  # exited (perhaps not reaped yet by its parent)
         if not os.path.isdir(state.scratch):
             # Torn down by its owner, or swept: nothing of ours may stay mounted.
-            with contextlib.suppress(Exception):
+            try:
                 teardown(state, lazy=True)
+            except Exception:
+                log.warning("teardown of %s failed", state.mountpoint, exc_info=True)
             return
     # Our owner died without tearing us down: stop the processes it said use the
     # mount (state.json "pgid", a process group), then discard everything.
@@ -313,8 +322,10 @@ def _watch(pid: int, state: MountState) -> None:
                 pgid = int(json.load(f).get("extra", {}).get("pgid", 0))
             if pgid > 1:
                 os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
+        try:
             teardown(state, lazy=True)
+        except Exception:
+            log.warning("discarding %s failed", state.mountpoint, exc_info=True)
     finally:
         _discarded.set()
 

@@ -35,6 +35,7 @@ Nothing here knows FUSE; `vfs.SnapshotFS` calls `plan` and `block`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections import OrderedDict, deque
@@ -46,6 +47,8 @@ from strata.engine.errors import Corrupt
 from strata.engine.interface import Store
 from strata.engine.objects import BLOCK, ZERO_ID
 from strata.mount.cache import ContentCache, matches
+
+log = logging.getLogger(__name__)
 
 MIN_AHEAD = 16      # blocks read ahead at first: 1 MiB at the default block size
 MAX_AHEAD = 256     # 16 MiB
@@ -159,10 +162,10 @@ class ReadAhead:
         if fut is not None:
             try:
                 fut.result()
-            except Exception:
+            except Exception as exc:
                 # The window failed (a lying server, a lost connection): fetch this
                 # block alone below, checked again; its own error, if any, is raised.
-                pass
+                log.debug("read-ahead window failed, fetching %s alone: %s", oid.hex(), exc)
             with self._lock:
                 data = self._hot.get(oid)
             if data is not None:

@@ -11,6 +11,7 @@ knows nothing of FUSE: `fuse.py` translates it.
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ from strata.engine.objects import (
 from strata.engine.tree import NodeCache, Trees
 from strata.mount.cache import ContentCache
 from strata.mount.readahead import ReadAhead
+
+log = logging.getLogger(__name__)
 
 ROOT_INO = 1
 HIDDEN_XATTR_PREFIX = b"trusted.overlay."  # never show overlayfs' own markers from below

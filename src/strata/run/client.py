@@ -10,8 +10,8 @@ here when none answers, as the store's server is.
 
 This module is on the path of every `strata run`, so it imports only the
 interpreter's own `_socket` (the `socket` module around it costs 6 ms of
-imports) and the error classes
-(tests/test_cli_imports.py holds the budget). It never decides anything
+imports), the error classes and the protocol's names and frames
+(run/protocol.py; tests/test_cli_imports.py holds the budget). It never decides anything
 about the step: if this process dies, the service's worker sees its
 connection end and discards the step, as a runner's death always did.
 
@@ -22,34 +22,31 @@ from __future__ import annotations
 
 import _socket
 import contextlib
-import json
 import os
 import sys
 import time
 from typing import Any
 
 from strata.engine.errors import StrataError, Unavailable
+from strata.run.protocol import (
+    LOG_NAME,
+    MAX_ANSWER,
+    MAX_REQUEST,
+    MOUNT_KEYS,
+    PROTOCOL,
+    RESULT_KEYS,
+    SERVER_SOCKET,
+    frame,
+    read_frame,
+    socket_path,
+)
 
-PROTOCOL = 2  # 2: steps carry a process limit ("pids")
-SOCKET_NAME = "steps.sock"
-SERVER_SOCKET = "serve.sock"  # the store's server (server/client.py's SOCKET_NAME)
-LOCK_NAME = "steps.lock"
-LOG_NAME = "steps.log"
-MAX_REQUEST = 1 << 20   # bytes of one request body (argv, environment, specs)
-MAX_ANSWER = 64 << 20   # bytes of one answer body (a conflict names every path)
 START_TIMEOUT = 15.0
 ACCEPT_TIMEOUT = 10.0
-MOUNT_KEYS = {"mountpoint"}
-RESULT_KEYS = {"run", "status", "published", "conflicts", "rejected", "timed_out", "oom",
-               "timings"}
 
 
 class ServiceDied(StrataError):
     """The service's worker went away before answering (exit code 1)."""
-
-
-def socket_path(store: str) -> str:
-    return os.path.join(store, SOCKET_NAME)
 
 
 def server_answers(store: str) -> bool:
@@ -71,42 +68,6 @@ def server_answers(store: str) -> bool:
         return False
     finally:
         sock.close()
-
-
-def frame(doc: dict[str, Any]) -> bytes:
-    # ensure_ascii: argv and names may hold surrogate-escaped bytes, which UTF-8
-    # cannot encode; \\udcXX escapes carry them and json.loads gives them back.
-    body = json.dumps(doc, separators=(",", ":")).encode()
-    return len(body).to_bytes(4, "big") + body
-
-
-def read_frame(sock: _socket.socket, limit: int) -> dict[str, Any] | None:
-    """The next frame's JSON object, or None at a clean end of the stream."""
-    head = _recv_exact(sock, 4)
-    if head is None:
-        return None
-    size = int.from_bytes(head, "big")
-    if size > limit:
-        raise ValueError(f"frame of {size} bytes is over the limit of {limit}")
-    body = _recv_exact(sock, size)
-    if body is None:
-        raise ValueError("frame cut short")
-    doc = json.loads(body)
-    if not isinstance(doc, dict):
-        raise ValueError("a frame is a JSON object")
-    return doc
-
-
-def _recv_exact(sock: _socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            if buf:
-                raise ValueError("frame cut short")
-            return None
-        buf += chunk
-    return bytes(buf)
 
 
 def call(store: str, request: dict[str, Any], *, kind: str = "step") -> dict[str, Any]:

@@ -22,12 +22,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import logging
 import os
 import random
 import subprocess
 import time
 
 from strata.engine.errors import StrataError, Unavailable
+
+log = logging.getLogger(__name__)
 
 RUN_DIR = "/run/strata"   # slot locks and the steps' staging directories
 RANGE = 65536             # ids a step's user namespace maps (0..65535 inside)

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import uuid
 
 from strata.run.identity import RUN_DIR, ensure_dir
+
+log = logging.getLogger(__name__)
 
 HOSTNAME = "strata-step"
 

@@ -10,6 +10,7 @@ rejected change set on `rejected/<run-id>` for inspection and exits 3.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import threading
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from strata.engine.errors import Conflict, Expired, InvalidInput, StrataError, Unavailable
 from strata.engine.interface import ChangeSet, Store
+from strata.mount import mountinfo
 from strata.mount.cache import trim_if_due
 from strata.mount.overlay import unmount_under
 from strata.mount.session import (
@@ -44,6 +46,8 @@ from strata.run.spec import IMAGE_NAME, VolumeSpec
 
 if TYPE_CHECKING:
     from strata.mount.process import Prepared
+
+log = logging.getLogger(__name__)
 
 LEASE_TTL = 15.0
 PIN_TTL = 60.0  # the step's base snapshots, renewed with the leases
@@ -236,7 +240,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
             limit_writes(st, disk)  # the step's writes on a filesystem of that size
         st.extra["token"] = store.token
         st.save()
-        error = mounter.go(st, dict(os.environ) if mounter_env else None)
+        error = mounter.start_mount(st, dict(os.environ) if mounter_env else None)
         if error is not None:
             raise StrataError(f"could not mount the step's volumes: {error}")
         # The mount process recorded its pid; keep it when this runner saves the state
@@ -295,8 +299,10 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
             ws_root.close()
         mounter.cancel()  # a mount process never handed a state exits
         if state is not None:
-            with contextlib.suppress(Exception):
+            try:
                 teardown(state, lazy=True)  # also removes the stage
+            except Exception:  # the step's answer stands; the sweep removes what is left
+                log.warning("teardown of step %s failed", state.mountpoint, exc_info=True)
         jail.close()
         leases.release()
         if state is not None:
@@ -407,7 +413,8 @@ class _WorkspaceRoot:
 
     def attach(self) -> None:
         from strata.server.client import RemoteStore
-        from strata.workspace.attach import attach, attached
+        from strata.workspace.attach import attach
+        from strata.workspace.state import attached
         assert isinstance(self.store, RemoteStore)
         if not self.takeover:
             for att in attached():
@@ -447,8 +454,11 @@ class _WorkspaceRoot:
         """Detach if still attached (errors ignored: the step is failing), then clean up."""
         try:
             if self.attached:
-                with contextlib.suppress(Exception):
+                try:
                     self.detach()
+                except Exception:
+                    log.warning("detaching the workspace root %s failed", self.dir,
+                                exc_info=True)
         finally:
             self._clean()
 
@@ -480,8 +490,7 @@ def _sweep_workspace_roots() -> None:
         return
     if not names:
         return
-    with open("/proc/self/mountinfo") as f:
-        mounted = [line.split()[4] for line in f]
+    mounted = [m.point for m in mountinfo.read()]
     for name in names:
         work = os.path.join(root, name)
         try:

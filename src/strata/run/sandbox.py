@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import resource
 import shlex
@@ -36,6 +37,8 @@ from dataclasses import dataclass, field
 
 from strata.engine.errors import InvalidInput
 from strata.run import rootfs, seccomp
+
+log = logging.getLogger(__name__)
 
 SANDBOXES = ("none", "bwrap", "gvisor")
 # What root keeps inside a sandbox: Docker's default set less CAP_MKNOD, CAP_NET_RAW

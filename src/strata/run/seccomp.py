@@ -45,8 +45,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import struct
+
+log = logging.getLogger(__name__)
 
 # seccomp_data: int nr; u32 arch; u64 instruction_pointer; u64 args[6].
 _OFF_NR = 0

@@ -9,7 +9,9 @@ takes one connection, reads and checks the request, takes the client's
 stdin, stdout and stderr as its own, and runs the step exactly as an
 in-process `strata run` would (`runner.run_step`). The client learns the
 result, or the error, as frames on the same connection (docs/api.md, "The
-step service").
+step service"). This module owns the processes (the service, its pool of
+workers, what a worker does with its connection); what goes over the
+connection, and the checks of every request field, are run/protocol.py's.
 
 Dying stays safe, as it was with the runner in the CLI's own process:
 
@@ -33,8 +35,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
-import json
-import math
+import logging
 import os
 import select
 import signal
@@ -42,30 +43,29 @@ import socket
 import struct
 import sys
 import time
-import traceback
 from typing import TYPE_CHECKING, Any
 
 from strata.engine.errors import InvalidInput, StrataError
-from strata.run.client import (
+from strata.procs import idle_exit, keepalive_every
+from strata.run.protocol import (
     LOCK_NAME,
     LOG_NAME,
     MAX_ANSWER,
-    MAX_REQUEST,
-    PROTOCOL,
     SERVER_SOCKET,
+    check,
     frame,
+    read_request,
     socket_path,
 )
 
 if TYPE_CHECKING:
     from strata.mount.process import Prepared
 
+log = logging.getLogger(__name__)
+
 REQUEST_TIMEOUT = 10.0  # seconds a client has to send its whole request
 CHECK_SERVER_EVERY = 1.0
 IDLE_WORKERS = 2  # forked ahead, waiting for clients
-MAX_ARGS = 4096
-MAX_SPECS = 256
-MAX_ENV = 4096
 PR_SET_PDEATHSIG = 1
 
 
@@ -87,20 +87,13 @@ def main(argv: list[str]) -> int:
     except (StrataError, KeyError, ValueError, TypeError):
         block = 0  # asked of the server, as any client does
     listener = _listen(socket_path(store))
-    os.write(1, f"step service {os.getpid()} listening on {socket_path(store)}\n".encode())
+    log.info("step service %d listening on %s", os.getpid(), socket_path(store))
     try:
-        _serve(listener, store, lock, _idle_exit(), block)
+        _serve(listener, store, lock, max(1.0, idle_exit()), block)
     finally:
         listener.close()
         os.close(lock)
     return 0
-
-
-def _idle_exit() -> float:
-    try:
-        return max(1.0, float(os.environ.get("STRATA_SERVER_IDLE_EXIT", "300")))
-    except ValueError:
-        return 300.0
 
 
 def _lock(store: str) -> int | None:
@@ -225,8 +218,8 @@ class _Pool:
             os.close(self.took_r)
             code = _worker(self.listener, self.took_w, service, self.store, self.block)
         except BaseException:
-            with contextlib.suppress(Exception):
-                traceback.print_exc()
+            with contextlib.suppress(Exception):  # the log itself may be what failed
+                log.exception("step worker %d failed", os.getpid())
         finally:
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
@@ -286,14 +279,6 @@ def _send(conn: socket.socket, doc: dict[str, Any]) -> bool:
         return False  # the client is gone (SIGIO ends this worker, see _die_with_client)
 
 
-class Refused(Exception):
-    """A request the worker will not run; `code` is the CLI's exit code."""
-
-    def __init__(self, message: str, code: int = 2) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def _worker(listener: socket.socket, took: int, service: int, store: str, block: int) -> int:
     """A pre-forked worker: fork the mount process, take one connection, run its step."""
     from strata.mount.process import Prepared
@@ -320,10 +305,10 @@ def _worker(listener: socket.socket, took: int, service: int, store: str, block:
     try:
         conn.settimeout(REQUEST_TIMEOUT)
         try:
-            raw, fds = _read_request(conn)
-            step = _check(raw)
-        except Refused as exc:
-            _send(conn, {"event": "error", "code": exc.code, "message": str(exc)})
+            raw, fds = read_request(conn)
+            step = check(raw)
+        except StrataError as exc:  # refused: the client learns which field, and why
+            _send(conn, {"event": "error", "code": exc.exit_code, "message": str(exc)})
             return 1
         except (OSError, ValueError) as exc:
             _send(conn, {"event": "error", "code": 2, "message": f"bad request: {exc}"})
@@ -339,185 +324,17 @@ def _worker(listener: socket.socket, took: int, service: int, store: str, block:
                 os.close(fd)
 
 
-def _read_request(conn: socket.socket) -> tuple[Any, list[int]]:
-    """The request's JSON document and the three descriptors sent with it."""
-    fds: list[int] = []
-    try:
-        data, anc, flags, _addr = conn.recvmsg(65536, socket.CMSG_SPACE(3 * 4))
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                usable = len(payload) - len(payload) % 4
-                fds.extend(struct.unpack(f"{usable // 4}i", payload[:usable]))
-        if flags & socket.MSG_CTRUNC:
-            raise ValueError("too many descriptors")
-        if len(fds) != 3:
-            raise ValueError(f"expected 3 descriptors (stdin, stdout, stderr), got {len(fds)}")
-        if len(data) < 4:
-            data += _exact(conn, 4 - len(data))
-        size = int.from_bytes(data[:4], "big")
-        if size > MAX_REQUEST:
-            raise ValueError(f"request of {size} bytes is over {MAX_REQUEST}")
-        body = data[4:]
-        if len(body) > size:
-            raise ValueError("bytes after the request")
-        body += _exact(conn, size - len(body))
-        return json.loads(body), fds
-    except BaseException:
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        raise
-
-
-def _exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = conn.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ValueError("request cut short")
-        buf += chunk
-    return bytes(buf)
-
-
-def _check(raw: Any) -> dict[str, Any]:
-    """The request's fields, each checked; Refused names the first bad one."""
-    from strata.run.sandbox import SANDBOXES
-    from strata.run.spec import parse_image, parse_spec
-    if not isinstance(raw, dict):
-        raise Refused("a request is a JSON object")
-    if raw.get("v") != PROTOCOL:
-        raise Refused(f"protocol version {raw.get('v')!r}; this service speaks {PROTOCOL} "
-                      "(stop it with 'strata serve --stop' after an upgrade)", 1)
-    op = raw.get("op", "step")
-    if op == "mount":
-        return _check_mount(raw)
-    if op != "step":
-        raise Refused(f"op must be 'step' or 'mount', not {op!r}")
-    known = {"v", "op", "argv", "specs", "sandbox", "timeout", "memory", "network", "message",
-             "identical", "env", "cwd", "umask", "pids", "disk", "image"}
-    extra = set(raw) - known
-    if extra:
-        raise Refused(f"unknown request fields {sorted(extra)}")
-    _check_common(raw)
-    argv = raw.get("argv")
-    if (not isinstance(argv, list) or not 0 < len(argv) <= MAX_ARGS
-            or not all(isinstance(a, str) and "\0" not in a for a in argv)):
-        raise Refused(f"argv must be 1 to {MAX_ARGS} strings without NUL")
-    texts = raw.get("specs")
-    if (not isinstance(texts, list) or len(texts) > MAX_SPECS
-            or not all(isinstance(t, str) for t in texts)):
-        raise Refused(f"specs must be at most {MAX_SPECS} strings")
-    try:
-        specs = [parse_spec(t) for t in texts]
-    except InvalidInput as exc:
-        raise Refused(str(exc)) from None
-    if len({s.volume for s in specs}) != len(specs):
-        raise Refused("a volume appears twice")
-    if raw.get("sandbox") not in SANDBOXES:
-        raise Refused(f"sandbox must be one of {', '.join(SANDBOXES)}")
-    timeout = raw.get("timeout")
-    if timeout is not None and (isinstance(timeout, bool)
-                                or not isinstance(timeout, (int, float))
-                                or not math.isfinite(timeout) or timeout <= 0):
-        raise Refused("timeout must be a positive number of seconds or null")
-    memory = raw.get("memory")
-    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int)
-                               or memory <= 0):
-        raise Refused("memory must be a positive number of bytes or null")
-    pids = raw.get("pids")
-    if isinstance(pids, bool) or not isinstance(pids, int) or not 0 < pids <= 1 << 22:
-        raise Refused("pids must be a whole number from 1 to 4194304")
-    disk = raw.get("disk")
-    if disk is not None and (isinstance(disk, bool) or not isinstance(disk, int)
-                             or not 1 << 20 <= disk <= 1 << 50):
-        raise Refused("disk must be a number of bytes from 1 MiB to 1 PiB, or null")
-    image = raw.get("image")
-    if image is not None:
-        if not isinstance(image, str):
-            raise Refused("image must be VOLUME[@BRANCH] or null")
-        try:
-            image = parse_image(image)
-        except InvalidInput as exc:
-            raise Refused(str(exc)) from None
-    for name in ("network", "identical"):
-        if not isinstance(raw.get(name), bool):
-            raise Refused(f"{name} must be true or false")
-    message = raw.get("message")
-    if message is not None and not isinstance(message, str):
-        raise Refused("message must be a string or null")
-    return {**raw, "op": "step", "specs": specs, "image": image}
-
-
-def _check_common(raw: dict[str, Any]) -> None:
-    """The fields every request has: the client's environment, directory and umask."""
-    env = raw.get("env")
-    if (not isinstance(env, dict) or len(env) > MAX_ENV
-            or not all(isinstance(k, str) and isinstance(v, str) and k and "=" not in k
-                       and "\0" not in k and "\0" not in v for k, v in env.items())):
-        raise Refused(f"env must map at most {MAX_ENV} names (no '=', no NUL) to strings")
-    cwd = raw.get("cwd")
-    if not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd:
-        raise Refused("cwd must be an absolute path")
-    umask = raw.get("umask")
-    if isinstance(umask, bool) or not isinstance(umask, int) or not 0 <= umask <= 0o777:
-        raise Refused("umask must be an integer from 0 to 0o777")
-
-
 def _adopt_common(req: dict[str, Any]) -> None:
-    """Take on the client's umask, environment and working directory (`_check_common`).
+    """Take on the client's umask, environment and working directory.
 
-    The worker then acts as if the request ran in the client's own process.
+    Each was checked by `protocol.check`. The worker then acts as if the
+    request ran in the client's own process.
     """
     os.umask(req["umask"])
     os.environ.clear()
     os.environ.update(req["env"])
     with contextlib.suppress(OSError):
         os.chdir(req["cwd"])
-
-
-def _check_mount(raw: dict[str, Any]) -> dict[str, Any]:
-    """A `mount --background` request: REFs as [name, volume, branch, snapshot, ro]."""
-    from strata.engine.names import check_branch, check_hex_id, check_volume
-    from strata.mount.session import MountRef
-    known = {"v", "op", "refs", "target", "ro", "single", "privileged", "env", "cwd", "umask"}
-    extra = set(raw) - known
-    if extra:
-        raise Refused(f"unknown request fields {sorted(extra)}")
-    _check_common(raw)
-    raw.setdefault("privileged", False)
-    for name in ("ro", "single", "privileged"):
-        if not isinstance(raw.get(name), bool):
-            raise Refused(f"{name} must be true or false")
-    target = raw.get("target")
-    if (not isinstance(target, str) or not target.startswith("/") or "\0" in target
-            or not os.path.isdir(target)):
-        raise Refused("target must be the absolute path of a directory")
-    items = raw.get("refs")
-    if not isinstance(items, list) or not 0 < len(items) <= MAX_SPECS:
-        raise Refused(f"refs must list 1 to {MAX_SPECS} refs")
-    if raw["single"] and len(items) != 1:
-        raise Refused("a single-volume mount has one ref")
-    refs = []
-    for item in items:
-        if (not isinstance(item, list) or len(item) != 5 or not isinstance(item[0], str)
-                or not isinstance(item[1], str) or not isinstance(item[4], bool)
-                or not all(x is None or isinstance(x, str) for x in item[2:4])
-                or (item[2] is None) == (item[3] is None)):
-            raise Refused("a ref is [name, volume, branch or null, snapshot or null, ro], "
-                          "with a branch or a snapshot")
-        name, volume, branch, snapshot, ro = item
-        try:
-            if name:
-                check_volume(name)  # a directory name in the mount: the same rules
-            check_volume(volume)
-            if branch is not None:
-                check_branch(branch)
-            if snapshot is not None:
-                check_hex_id(snapshot, min_len=8)
-        except InvalidInput as exc:
-            raise Refused(str(exc)) from None
-        refs.append(MountRef(name, volume, branch, snapshot, ro))
-    return {**raw, "op": "mount", "refs": refs}
 
 
 def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: str,
@@ -528,7 +345,7 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
     if not _send(conn, {"event": "accepted"}):
         return 1
     _adopt_common(step)  # the command's environment, the scratch and cache directories
-    log = os.dup(2)
+    log_fd = os.dup(2)  # the service's log, for what the worker says after its answer
     for target, fd in zip((0, 1, 2), fds, strict=True):
         os.dup2(fd, target)
     for fd in fds:
@@ -541,7 +358,7 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
         _send(conn, {"event": "publishing"})
 
     def done(result: StepResult) -> None:
-        _release_stdio(log)
+        _release_stdio(log_fd)
         answered.append(True)
         _stop_dying_with_client(conn)
         doc: dict[str, Any] = {"event": "result", "result": result.to_json()}
@@ -559,23 +376,28 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
                  message=step["message"], identical=step["identical"], mounter=mounter,
                  mounter_env=True, on_publish=publishing, on_done=done)
     except Exception as exc:
-        if answered:
-            traceback.print_exc()  # after the answer: only the teardown failed
+        if answered:  # after the answer: only the teardown failed
+            log.exception("step %s on %s: teardown failed after the answer", step["argv"][:1],
+                          [s.volume for s in step["specs"]])
             return 1
-        _release_stdio(log)
+        _release_stdio(log_fd)
         answered.append(True)
         _stop_dying_with_client(conn)
         code = exc.exit_code if isinstance(exc, StrataError) else 1
+        # The service's log keeps every step strata itself failed, and why.
         if not isinstance(exc, StrataError):
-            traceback.print_exc()
-        else:  # the service log keeps every step strata itself failed, and why
-            print(f"step {step['argv'][:1]} on {[s.volume for s in step['specs']]} failed: "
-                  f"{exc}", file=sys.stderr, flush=True)
+            log.exception("step %s on %s failed", step["argv"][:1],
+                          [s.volume for s in step["specs"]])
+        else:
+            log.warning("step %s on %s failed: %s", step["argv"][:1],
+                        [s.volume for s in step["specs"]], exc)
         _send(conn, {"event": "error", "code": code, "message": str(exc) or type(exc).__name__})
         return 1
     finally:
-        with contextlib.suppress(Exception):
+        try:
             store.close()
+        except Exception:
+            log.debug("closing the store client failed", exc_info=True)
     return 0
 
 
@@ -607,10 +429,9 @@ def _mount(conn: socket.socket, req: dict[str, Any], store_dir: str, mounter: Pr
         # As cmd_mount: the mount keeps the store's server from idling, and commit,
         # status and unmount start it again if it is gone.
         state.extra["store"] = store_dir
-        idle = float(os.environ.get("STRATA_SERVER_IDLE_EXIT", "300") or 300)
-        state.extra["keepalive"] = max(min(idle / 3, 60.0), 0.5)
+        state.extra["keepalive"] = keepalive_every()
         state.save()
-        error = mounter.go(state, dict(os.environ), watch=False)
+        error = mounter.start_mount(state, dict(os.environ), watch=False)
     except (StrataError, OSError, ValueError) as exc:
         code = exc.exit_code if isinstance(exc, StrataError) else 1
         _send(conn, {"event": "error", "code": code, "message": str(exc)})
@@ -622,7 +443,7 @@ def _mount(conn: socket.socket, req: dict[str, Any], store_dir: str, mounter: Pr
     return 0
 
 
-def _release_stdio(log: int) -> None:
+def _release_stdio(log_fd: int) -> None:
     """Give the client's stdio back, so its pipes end when the client exits.
 
     What the worker still says goes to the service's log.
@@ -633,8 +454,8 @@ def _release_stdio(log: int) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
 
 
 def _die_with_client(conn: socket.socket) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from strata.engine.errors import InvalidInput
 from strata.engine.names import check_branch, check_volume
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

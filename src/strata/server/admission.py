@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import resource
 import socket
 from collections import Counter
 from typing import Any, cast
 
 from aiohttp import web
+
+log = logging.getLogger(__name__)
 
 MAX_PER_PEER = 64      # TCP connections one peer (IPv4 address, IPv6 /64) holds at once
 MAX_TCP = 4096         # TCP connections at once, whatever the descriptor limit
@@ -103,6 +106,7 @@ class _Admitted(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         key = peer_key(transport.get_extra_info("peername"))
         if not self.admission.admit(key):
+            log.debug("TCP connection from %s refused: over a cap", key)  # `stats` counts them
             cast(asyncio.Transport, transport).abort()  # a reset now, not a descriptor held
             return
         self.key = key

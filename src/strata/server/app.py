@@ -1,4 +1,11 @@
-"""The HTTP API over one open store (aiohttp).
+"""The HTTP API over one open store (aiohttp): its routes, its middleware, its shared state.
+
+The middleware asks `auth.py` who is asking, holds large bodies in the body
+budget (`bodies.py`), counts requests in flight for a handoff to drain, and
+turns the engine's errors into answers (a request answered 500 is logged
+with its traceback). The handlers check what the scope allows, then call
+the engine. `publish_now` is the publish both this API and the lean stream
+(`lean.py`) run.
 
 Requests run the engine's blocking calls in a thread pool, so concurrent
 publishes from many clients meet in the engine's group commit exactly as
@@ -6,18 +13,19 @@ in-process threads do. While the server is starting or handing the store to
 a new owner, every store request is answered 503 with Retry-After and the
 client retries by itself. The API is described in `openapi.py` and served at
 `/openapi.json`.
+
+Nothing here reads a tree or a body's bytes by hand: trees are the engine's,
+bodies `bodies.py`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import functools
-import json
-import socket
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any, TypeVar
@@ -30,7 +38,6 @@ from strata.engine.errors import (
     InvalidInput,
     NotFound,
     StrataError,
-    Unauthenticated,
     Unavailable,
     no_object,
 )
@@ -39,28 +46,31 @@ from strata.engine.names import check_branch, check_hex_id, check_volume
 from strata.server import events as events_mod
 from strata.server import ui, wire
 from strata.server.admission import Admission
+from strata.server.auth import request_scope, require_owner, scope_of
+from strata.server.bodies import (
+    ANSWER_BUDGET,
+    BODY_BUDGET,
+    LARGE_BODY,
+    MAX_BATCH_ANSWER,
+    MAX_BATCH_GET,
+    MAX_BODY,
+    ByteBudget,
+    TooSlow,
+    body_field,
+    body_size,
+    check_encoding,
+    read_body,
+    read_json,
+)
 from strata.server.openapi import OPENAPI
-from strata.server.tokens import OWNER, Scope, TokenStore
+from strata.server.tokens import Scope, TokenStore
 from strata.server.visibility import Visibility
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-SCOPE_KEY = web.AppKey("scope_key", str)
-MAX_BODY = wire.MAX_BODY
-MAX_BATCH_GET = 1024  # ids per batch read
-MAX_BATCH_ANSWER = 32 * 1024 * 1024  # bytes of objects in one batch answer (or its first one)
-# Bytes of large request bodies held at once, server-wide: a request whose body
-# would pass it waits (small requests, under LARGE_BODY, never do).
-BODY_BUDGET = 256 * 1024 * 1024
-LARGE_BODY = 1024 * 1024
-# Bytes of objects being answered at once, server-wide (counted from their
-# raw sizes before they are read): an answer that would pass it waits. An
-# answer is held about three times while it is built and sent, so reads hold
-# at most about 200 MiB, beside the bodies' budget.
-ANSWER_BUDGET = 64 * 1024 * 1024
 PREFETCH_MAX = 256 * 1024  # bytes of new tree nodes sent back with a publish
-# Seconds a body read may wait for its next bytes (the head has serve.HEADER_TIMEOUT).
-BODY_TIMEOUT = 10.0
+MAX_HEADS = 256  # branches one POST /v1/heads reads
 
 
 class ServerState:
@@ -77,6 +87,7 @@ class ServerState:
         self.answers = ByteBudget(ANSWER_BUDGET)
         self.mode = "starting"      # starting -> serving -> draining -> stopped
         self.inflight = 0
+        self.watchers = 0  # open event streams (server/events.py): they keep it from idling
         self.last_request = time.monotonic()
         self.idle = asyncio.Event()
         self.idle.set()
@@ -109,15 +120,6 @@ class ChangingOwner(Unavailable):
 STATE = web.AppKey("state", ServerState)
 
 
-def _scope(request: web.Request) -> Scope:
-    return request["scope"]  # type: ignore[no-any-return]
-
-
-def _is_unix(request: web.Request) -> bool:
-    sock = request.transport.get_extra_info("socket") if request.transport else None
-    return sock is not None and sock.family == socket.AF_UNIX
-
-
 def _error_response(exc: StrataError) -> web.Response:
     status = exc.http_status
     headers = {}
@@ -126,91 +128,13 @@ def _error_response(exc: StrataError) -> web.Response:
     return web.json_response(wire.error_body(exc), status=status, headers=headers)
 
 
-def _body_size(request: web.Request) -> int:
-    """What a request's body may hold in memory: its length, or the most a chunked one may."""
-    if request.content_length is not None:
-        return request.content_length
-    return MAX_BODY if request.body_exists else 0
-
-
-class ByteBudget:
-    """Bytes of large request bodies in memory at once, server-wide (see BODY_BUDGET)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._cond: asyncio.Condition | None = None
-
-    @contextlib.asynccontextmanager
-    async def hold(self, n: int) -> AsyncIterator[None]:
-        if n < LARGE_BODY:
-            yield
-            return
-        n = min(n, self.limit)
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        cond = self._cond
-        async with cond:
-            await cond.wait_for(lambda: self.used + n <= self.limit)
-            self.used += n
-        try:
-            yield
-        finally:
-            async with cond:
-                self.used -= n
-                cond.notify_all()
-
-
-def _check_token_volume(state: Any, scope: Scope) -> None:
-    """A token works only for the volume it was made for, not a later one of that name."""
-    if scope.volume is None:
-        return
-    try:
-        current = state.need_store().volume_id(scope.volume)
-    except NotFound:
-        current = None
-    if current != scope.volume_id:
-        raise Unauthenticated("token's volume no longer exists (deleted or made anew)")
-
-
-class UnsupportedEncoding(InvalidInput):
-    """A request body with a Content-Encoding: 415, refused before a byte of it is read.
-
-    aiohttp would inflate a gzip body before any check of ours (126 KiB of
-    gzip made 128 MiB, and eight such requests 1.3 GiB), so the server takes
-    bodies only as they travel: the runner is made with auto_decompress off,
-    and this refusal says so. No strata client compresses a request.
-    """
-
-    http_status = 415
-
-
-def _check_encoding(request: web.Request) -> None:
-    encoding = request.headers.get("Content-Encoding", "").strip().lower()
-    if encoding not in ("", "identity"):
-        raise UnsupportedEncoding(
-            f"request bodies are taken without Content-Encoding, not {encoding[:40]!r}")
-
-
 @web.middleware
 async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
     state.last_request = time.monotonic()
     try:
-        _check_encoding(request)  # before anything reads the body, whoever sends it
-        if _is_unix(request):
-            request["scope"] = OWNER
-        elif request.path == "/openapi.json":
-            request["scope"] = None
-        elif request.path.startswith("/ui"):  # the web view: a cookie, not a header
-            request["scope"] = ui.session_scope(request, state)
-        else:
-            auth = request.headers.get("Authorization", "")
-            if not auth.startswith("Bearer "):
-                raise Unauthenticated("missing bearer token")
-            scope = state.tokens.verify(auth[7:].strip())
-            _check_token_volume(state, scope)
-            request["scope"] = scope
+        check_encoding(request)  # before anything reads the body, whoever sends it
+        request["scope"] = request_scope(request, state)
         # Requests that use the store are drained before a handoff or stop closes it;
         # fsck too (it reads every pack). Handoff and stop themselves must not count.
         if request.path.startswith("/v1/") and (not request.path.startswith("/v1/admin/")
@@ -219,7 +143,7 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
             state.inflight += 1
             state.idle.clear()
             try:
-                async with state.budget.hold(_body_size(request)):
+                async with state.budget.hold(body_size(request)):
                     return await handler(request)
             finally:
                 state.inflight -= 1
@@ -227,6 +151,9 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
                     state.idle.set()
         return await handler(request)
     except StrataError as exc:
+        if exc.http_status == 500:  # the store's fault, not the client's (Corrupt, ...)
+            log.error("%s %s answered 500: %s", request.method, request.path, exc,
+                      exc_info=exc)
         resp = _error_response(exc)
         if isinstance(exc, TooSlow):
             # Answer, then hang up at once: aiohttp would otherwise linger up to 10 s
@@ -245,71 +172,17 @@ async def middleware(request: web.Request, handler: Handler) -> web.StreamRespon
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as exc:
         # OverflowError: float() of a JSON integer of hundreds of digits (a ttl).
         return _error_response(InvalidInput(f"malformed request: {exc}"))
-
-
-async def _json(request: web.Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await _body(request))  # _body: size limits and truncation
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"request body is not JSON: {exc}") from exc
-    except RecursionError:
-        raise InvalidInput("request body is not JSON: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise InvalidInput("request body must be a JSON object")
-    return body
-
-
-def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...],
-           *, optional: bool = False) -> Any:
-    v = body.get(name)
-    if v is None and optional:
-        return None
-    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
-        raise InvalidInput(f"field {name!r} is missing or has the wrong type")
-    return v
-
-
-class TooLarge(InvalidInput):
-    """A request body over MAX_BODY: 413, with the same JSON error as any other refusal."""
-
-    http_status = 413
-
-
-class TooSlow(InvalidInput):
-    """A request body that stopped arriving: 408, and the connection is closed."""
-
-    http_status = 408
-
-
-async def _body(request: web.Request, limit: int = MAX_BODY) -> bytes:
-    """The whole body, within `limit` bytes, each read within BODY_TIMEOUT.
-
-    The timeout is per read, as nginx's client_body_timeout: a large body on a
-    slow link may take long, but one that stops arriving is cut off, and its
-    connection with it, instead of holding a connection (and a share of the
-    body budget) for as long as its client likes.
-    """
-    if request.content_length is not None and request.content_length > limit:
-        raise TooLarge(f"request body over {limit} bytes")
-    data = bytearray()
-    loop = asyncio.get_running_loop()
-    try:
-        async with asyncio.timeout(BODY_TIMEOUT) as deadline:
-            while True:
-                chunk = await request.content.readany()
-                if not chunk:
-                    break
-                deadline.reschedule(loop.time() + BODY_TIMEOUT)
-                data += chunk
-                if len(data) > limit:  # a chunked body only says its size as it arrives
-                    raise TooLarge(f"request body over {limit} bytes")
     except TimeoutError:
-        raise TooSlow(f"request body stalled: nothing arrived for {BODY_TIMEOUT:g} s") from None
-    except (asyncio.IncompleteReadError, ConnectionResetError) as exc:
-        raise InvalidInput("request body truncated") from exc
-    if request.content_length is not None and len(data) != request.content_length:
-        raise InvalidInput("request body truncated")
-    return bytes(data)
+        raise  # aiohttp answers 504
+    except Exception as exc:
+        # aiohttp answers 500; logged here with the request named, and serve.py keeps
+        # aiohttp's own record of the same exception out of the log.
+        log.exception("%s %s answered 500", request.method, request.path)
+        setattr(exc, LOGGED, True)  # noqa: B010 - an attribute no exception class declares
+        raise
+
+
+LOGGED = "_strata_logged"  # set on an exception the middleware has logged
 
 
 # -- handlers ---------------------------------------------------------------------------
@@ -327,7 +200,7 @@ async def info(request: web.Request) -> web.Response:
 
 async def whoami(request: web.Request) -> web.Response:
     """What the caller's credentials allow (the mount turns read-only tokens into ro mounts)."""
-    scope = _scope(request)
+    scope = scope_of(request)
     return web.json_response({"owner": scope.is_owner, "volume": scope.volume,
                               "branch": scope.branch, "writable": scope.writable})
 
@@ -352,26 +225,26 @@ async def missing(request: web.Request) -> web.Response:
     Such a client then uploads them, which proves it holds their bytes.
     """
     state = request.app[STATE]
-    scope = _scope(request)
-    ids = wire.decode_ids(await _body(request))
+    scope = scope_of(request)
+    ids = wire.decode_ids(await read_body(request))
     store = state.need_store()
 
-    def run() -> list[bytes]:
+    def missing_or_unreachable() -> list[bytes]:
         out = store.missing(ids)  # checks the ids
         if scope.volume is None or not ids:
             return out
         return [oid for oid, ok in zip(ids, store.reachable(scope.volume, ids), strict=True)
                 if not ok]
 
-    out = await state.run(run)
+    out = await state.run(missing_or_unreachable)
     return web.Response(body=wire.encode_ids(out), content_type="application/octet-stream")
 
 
 async def put_objects(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    scope = _scope(request)
+    scope = scope_of(request)
     scope.check_write()
-    objs = wire.decode_objects(await _body(request))
+    objs = wire.decode_objects(await read_body(request))
     store = state.need_store()
 
     def put() -> list[bytes]:
@@ -398,7 +271,7 @@ async def _send(request: web.Request, resp: web.Response) -> web.Response:
 async def get_object(request: web.Request) -> web.Response:
     state = request.app[STATE]
     oid = _oid(request.match_info["oid"])
-    scope = _scope(request)
+    scope = scope_of(request)
     store = state.need_store()
 
     def small_or_size() -> bytes | int:
@@ -443,11 +316,11 @@ async def get_objects(request: web.Request) -> web.Response:
     answer budget until it is sent.
     """
     state = request.app[STATE]
-    ids = wire.decode_ids(await _body(request, limit=MAX_BATCH_GET * 32))
+    ids = wire.decode_ids(await read_body(request, limit=MAX_BATCH_GET * 32))
     if len(ids) > MAX_BATCH_GET:
         raise InvalidInput(f"at most {MAX_BATCH_GET} ids per batch read")
     store = state.need_store()
-    scope = _scope(request)
+    scope = scope_of(request)
 
     def plan() -> tuple[list[int], list[bytes] | None]:
         """Sizes of the ids this answer covers; the objects too if they are small."""
@@ -487,7 +360,7 @@ def _oid(text: str) -> bytes:
 
 async def list_volumes(request: web.Request) -> web.Response:
     store = request.app[STATE].need_store()
-    scope = _scope(request)
+    scope = scope_of(request)
     vols = store.list_volumes()
     if not scope.is_owner:
         vols = [v for v in vols if v == scope.volume]
@@ -496,37 +369,37 @@ async def list_volumes(request: web.Request) -> web.Response:
 
 async def create_volume(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    scope = _scope(request)
+    scope = scope_of(request)
     if not scope.is_owner:
         raise Forbidden("only the store owner creates volumes")
-    name = _field(await _json(request), "name", str)
+    name = body_field(await read_json(request), "name", str)
 
-    def run() -> str:
+    def create_and_announce() -> str:
         head = state.need_store().create_volume(name)
         state.events.note_volume(name, True, head)
         return head
 
-    head = await state.run(run)
+    head = await state.run(create_and_announce)
     return web.json_response({"name": name, "head": head}, status=201)
 
 
 async def delete_volume(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if not _scope(request).is_owner:
+    if not scope_of(request).is_owner:
         raise Forbidden("only the store owner deletes volumes")
 
-    def run() -> None:
+    def delete_and_announce() -> None:
         state.need_store().delete_volume(request.match_info["volume"])
         state.events.note_volume(request.match_info["volume"], False)
 
-    await state.run(run)
+    await state.run(delete_and_announce)
     return web.json_response({"deleted": request.match_info["volume"]})
 
 
 async def list_branches(request: web.Request) -> web.Response:
     store = request.app[STATE].need_store()
     volume = check_volume(request.match_info["volume"])
-    scope = _scope(request)
+    scope = scope_of(request)
     scope.check_volume(volume)
     heads = store.list_branches(volume)
     if scope.branch is not None:
@@ -534,17 +407,15 @@ async def list_branches(request: web.Request) -> web.Response:
     return web.json_response({"branches": heads})
 
 
-MAX_HEADS = 256
-
 
 async def heads(request: web.Request) -> web.Response:
     """Several branches' heads read at one instant (a run's consistent view)."""
     store = request.app[STATE].need_store()
-    refs = _field(await _json(request), "refs", list)
+    refs = body_field(await read_json(request), "refs", list)
     if not 0 < len(refs) <= MAX_HEADS:
         raise InvalidInput(f"'refs' must list 1 to {MAX_HEADS} [volume, branch] pairs")
     pairs = []
-    scope = _scope(request)
+    scope = scope_of(request)
     for item in refs:
         if not (isinstance(item, list) and len(item) == 2
                 and all(isinstance(x, str) for x in item)):
@@ -558,19 +429,19 @@ async def heads(request: web.Request) -> web.Response:
 async def fork(request: web.Request) -> web.Response:
     state = request.app[STATE]
     volume = check_volume(request.match_info["volume"])
-    body = await _json(request)
-    name = check_branch(_field(body, "name", str))
-    at = _field(body, "at", str, optional=True)
-    _scope(request).check_branch(volume, name, write=True)
+    body = await read_json(request)
+    name = check_branch(body_field(body, "name", str))
+    at = body_field(body, "at", str, optional=True)
+    scope_of(request).check_branch(volume, name, write=True)
     if at is not None:
         await _check_visible(request, volume, at)
 
-    def run() -> str:
+    def fork_and_announce() -> str:
         head = state.need_store().fork(volume, name, at=at)
         state.events.note_fork(volume, name, head)
         return head
 
-    head = await state.run(run)
+    head = await state.run(fork_and_announce)
     return web.json_response({"name": name, "head": head}, status=201)
 
 
@@ -578,20 +449,20 @@ async def delete_branch(request: web.Request) -> web.Response:
     state = request.app[STATE]
     volume = check_volume(request.match_info["volume"])
     branch = check_branch(request.match_info["branch"])
-    _scope(request).check_branch(volume, branch, write=True)
+    scope_of(request).check_branch(volume, branch, write=True)
 
-    def run() -> None:
+    def delete_and_announce() -> None:
         state.need_store().delete_branch(volume, branch)
         state.events.note_branch_deleted(volume, branch)
 
-    await state.run(run)
+    await state.run(delete_and_announce)
     return web.json_response({"deleted": branch})
 
 
 async def find_snapshot(request: web.Request) -> web.Response:
     state = request.app[STATE]
     prefix = check_hex_id(request.match_info["prefix"], min_len=8)
-    scope = _scope(request)
+    scope = scope_of(request)
     if scope.is_owner:
         sid = await state.run(state.need_store().find_snapshot, prefix)
         return web.json_response({"id": sid})
@@ -622,7 +493,7 @@ async def _check_visible(request: web.Request, volume: str, sid: str) -> None:
     A snapshot that does not exist and one of another volume get the same
     answer, word for word.
     """
-    scope = _scope(request)
+    scope = scope_of(request)
     if scope.is_owner:
         return
     state = request.app[STATE]
@@ -637,9 +508,9 @@ async def _check_visible(request: web.Request, volume: str, sid: str) -> None:
 
 async def publish(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    scope = _scope(request)
+    scope = scope_of(request)
     scope.check_write()  # a read-only token is refused before a byte of its body is read
-    req = wire.decode_publish(await _body(request))
+    req = wire.decode_publish(await read_body(request))
     for cs in req.changesets:
         scope.check_branch(cs.volume, cs.branch, write=True)
         if not scope.is_owner:
@@ -690,22 +561,22 @@ async def lease(request: web.Request) -> web.Response:
     state = request.app[STATE]
     volume = check_volume(request.match_info["volume"])
     action = request.match_info["action"]
-    body = await _json(request)
-    branch = check_branch(_field(body, "branch", str))
-    _scope(request).check_branch(volume, branch, write=True)
+    body = await read_json(request)
+    branch = check_branch(body_field(body, "branch", str))
+    scope_of(request).check_branch(volume, branch, write=True)
     store = state.need_store()
     if action == "acquire":
-        ttl = float(_field(body, "ttl", (int, float)))
-        holder = _field(body, "holder", str, optional=True) or ""
-        steal = bool(_field(body, "steal", bool, optional=True))
+        ttl = float(body_field(body, "ttl", (int, float)))
+        holder = body_field(body, "holder", str, optional=True) or ""
+        steal = bool(body_field(body, "steal", bool, optional=True))
         got = await state.run(functools.partial(store.acquire_lease, steal=steal),
                               volume, branch, ttl, holder)
     elif action == "renew":
         got = await state.run(store.renew_lease, volume, branch,
-                              _field(body, "lease", str),
-                              float(_field(body, "ttl", (int, float))))
+                              body_field(body, "lease", str),
+                              float(body_field(body, "ttl", (int, float))))
     elif action == "release":
-        await state.run(store.release_lease, volume, branch, _field(body, "lease", str))
+        await state.run(store.release_lease, volume, branch, body_field(body, "lease", str))
         return web.json_response({"released": True})
     else:
         raise NotFound(f"no lease action {action!r}")
@@ -721,20 +592,20 @@ async def steps(request: web.Request) -> web.Response:
     """
     state = request.app[STATE]
     volume = check_volume(request.match_info["volume"])
-    scope = _scope(request)
+    scope = scope_of(request)
     scope.check_volume(volume)  # permission before the body is read
     scope.check_write()
-    body = await _json(request)
-    branch = check_branch(_field(body, "branch", str))
+    body = await read_json(request)
+    branch = check_branch(body_field(body, "branch", str))
     scope.check_branch(volume, branch, write=True)
-    run = _field(body, "run", str)
+    run = body_field(body, "run", str)
     if not 0 < len(run) <= 64 or not run.isalnum():
         raise InvalidInput("'run' must be 1 to 64 letters and digits")
-    status = _field(body, "status", int)
+    status = body_field(body, "status", int)
     if not 0 <= status <= 255:
         raise InvalidInput("'status' must be an exit status, 0 to 255")
-    flags = [_field(body, name, bool, optional=True) for name in ("timed_out", "oom")]
-    argv = _field(body, "argv", list, optional=True) or []
+    flags = [body_field(body, name, bool, optional=True) for name in ("timed_out", "oom")]
+    argv = body_field(body, "argv", list, optional=True) or []
     if len(argv) > 64 or not all(isinstance(a, str) and len(a) <= 1024 for a in argv):
         raise InvalidInput("'argv' must list at most 64 strings of at most 1 KiB")
     state.events.note_step(volume, branch, run, status, timed_out=bool(flags[0]),
@@ -747,13 +618,13 @@ async def pins(request: web.Request) -> web.Response:
     state = request.app[STATE]
     volume = check_volume(request.match_info["volume"])
     action = request.match_info["action"]
-    scope = _scope(request)
+    scope = scope_of(request)
     scope.check_volume(volume)  # permission before the body is read
-    body = await _json(request)
+    body = await read_json(request)
     store = state.need_store()
-    ttl = _field(body, "ttl", (int, float), optional=True)
+    ttl = body_field(body, "ttl", (int, float), optional=True)
     if action == "pin":
-        sids = _field(body, "snapshots", list)
+        sids = body_field(body, "snapshots", list)
         if not 0 < len(sids) <= 64 or not all(isinstance(x, str) for x in sids):
             raise InvalidInput("'snapshots' must list 1 to 64 snapshot ids")
         if not scope.is_owner:  # a scoped token pins only what its volume reaches
@@ -764,7 +635,7 @@ async def pins(request: web.Request) -> web.Response:
         got = await state.run(store.pin, volume, sids, float(ttl or 60.0),
                               "" if scope.is_owner else f"token:{scope.token_id}")
         return web.json_response({"pins": got})
-    ids = _field(body, "pins", list)
+    ids = body_field(body, "pins", list)
     if not 0 < len(ids) <= 64 or not all(isinstance(x, str) for x in ids):
         raise InvalidInput("'pins' must list 1 to 64 pin ids")
     if action == "renew":
@@ -778,41 +649,36 @@ async def pins(request: web.Request) -> web.Response:
 
 # -- owner-only administration ------------------------------------------------------------
 
-def _owner(request: web.Request) -> None:
-    if not _scope(request).is_owner:
-        raise Forbidden("administration is only allowed over the owner's unix socket")
-
-
 async def token_create(request: web.Request) -> web.Response:
-    _owner(request)
-    body = await _json(request)
-    ttl = _field(body, "ttl", (int, float), optional=True)
-    volume = check_volume(_field(body, "volume", str))
+    require_owner(request)
+    body = await read_json(request)
+    ttl = body_field(body, "ttl", (int, float), optional=True)
+    volume = check_volume(body_field(body, "volume", str))
     state = request.app[STATE]
     vid = await state.run(state.need_store().volume_id, volume)  # NotFound: no such volume
     token, tinfo = state.tokens.create(
-        volume, _field(body, "branch", str, optional=True),
-        bool(_field(body, "writable", bool)), float(ttl) if ttl is not None else None, vid)
+        volume, body_field(body, "branch", str, optional=True),
+        bool(body_field(body, "writable", bool)), float(ttl) if ttl is not None else None, vid)
     return web.json_response({"token": token, "id": tinfo.id, "volume": tinfo.volume,
                               "branch": tinfo.branch, "writable": tinfo.writable,
                               "expires": tinfo.expires}, status=201)
 
 
 async def token_list(request: web.Request) -> web.Response:
-    _owner(request)
+    require_owner(request)
     return web.json_response({"tokens": [
         {"id": t.id, "volume": t.volume, "branch": t.branch, "writable": t.writable,
          "expires": t.expires} for t in request.app[STATE].tokens.list()]})
 
 
 async def token_revoke(request: web.Request) -> web.Response:
-    _owner(request)
+    require_owner(request)
     request.app[STATE].tokens.revoke(request.match_info["tid"])
     return web.json_response({"revoked": request.match_info["tid"]})
 
 
 async def stats(request: web.Request) -> web.Response:
-    _owner(request)
+    require_owner(request)
     state = request.app[STATE]
     store = state.need_store()
     tier = await state.run(store.tier_report)
@@ -822,10 +688,10 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def fsck(request: web.Request) -> web.Response:
-    _owner(request)
+    require_owner(request)
     state = request.app[STATE]
     store = state.need_store()
-    body = await _json(request) if request.can_read_body else {}
+    body = await read_json(request) if request.can_read_body else {}
     if body.get("rebuild_index"):
         rebuilt = await state.run(store.rebuild_index)
         report = await state.run(store.fsck)
@@ -837,12 +703,12 @@ async def fsck(request: web.Request) -> web.Response:
 
 async def gc(request: web.Request) -> web.Response:
     """One garbage collection pass (engine/gc.py), owner only."""
-    _owner(request)
+    require_owner(request)
     state = request.app[STATE]
     store = state.need_store()
-    body = await _json(request) if request.can_read_body else {}
-    min_age = _field(body, "min_age", (int, float), optional=True)
-    dry = _field(body, "dry_run", bool, optional=True)
+    body = await read_json(request) if request.can_read_body else {}
+    min_age = body_field(body, "min_age", (int, float), optional=True)
+    dry = body_field(body, "dry_run", bool, optional=True)
     kw: dict[str, Any] = {"dry_run": bool(dry)}
     if min_age is not None:
         kw["min_age"] = float(min_age)
@@ -852,20 +718,20 @@ async def gc(request: web.Request) -> web.Response:
 
 async def policy(request: web.Request) -> web.Response:
     """A volume's retention policy: GET ?volume=V[&branch=B]; POST sets fields (owner only)."""
-    _owner(request)
+    require_owner(request)
     store = request.app[STATE].need_store()
     if request.method == "GET":
         volume, branch = request.query.get("volume", ""), request.query.get("branch", "")
     else:
-        body = await _json(request)
-        volume = _field(body, "volume", str)
-        branch = _field(body, "branch", str, optional=True) or ""
+        body = await read_json(request)
+        volume = body_field(body, "volume", str)
+        branch = body_field(body, "branch", str, optional=True) or ""
     check_volume(volume)
     if branch:
         check_branch(branch)
     store.list_branches(volume)  # the volume must exist
     if request.method == "POST":
-        fields = {k: _field(body, k, (int, float), optional=True)
+        fields = {k: body_field(body, k, (int, float), optional=True)
                   for k in ("keep_last", "keep_newer", "expire_runs") if k in body}
         store.policies.set(volume, branch or None, **fields)
     return web.json_response(asdict(store.policies.get(volume, branch)))
@@ -874,11 +740,11 @@ async def policy(request: web.Request) -> web.Response:
 async def events(request: web.Request) -> web.StreamResponse:
     """Server-sent events (docs/api.md, "Events"); outside /v1: never drained on handoff."""
     state = request.app[STATE]
-    return await events_mod.answer(request, state, _scope(request))
+    return await events_mod.answer(request, state, scope_of(request))
 
 
 async def handoff(request: web.Request) -> web.Response:
-    _owner(request)
+    require_owner(request)
     state = request.app[STATE]
     if state.on_handoff is None:
         raise Unavailable("this server cannot hand off")
@@ -887,7 +753,7 @@ async def handoff(request: web.Request) -> web.Response:
 
 
 async def stop(request: web.Request) -> web.Response:
-    _owner(request)
+    require_owner(request)
     state = request.app[STATE]
     if state.on_stop is not None:
         asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(

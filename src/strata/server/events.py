@@ -8,7 +8,8 @@ executor thread that did it; one worker thread turns notes into events:
   snapshot names its parent, the head it replaced, so an event whose parent has
   not been announced yet waits for it (at most `PARK_SECONDS`);
 - it counts what each publish changed (+ added, - deleted, M modified) by
-  diffing the parent's tree with the new one, off the publish path: at once
+  diffing the parent's tree with the new one (`history.count_changes`), off
+  the publish path: at once
   when a reader is listening, else when a reader first reads the event (a
   store nobody watches diffs nothing);
 - it numbers events and keeps the newest `ring` of them in memory.
@@ -24,7 +25,8 @@ Sequence numbers belong to one server process (`epoch`): after a restart or a
 handoff a reader resumes from history the same way.
 
 This module never touches HTTP beyond the SSE answer at the end, and never
-changes the store.
+changes the store. A note that cannot be turned into an event is logged and
+dropped: one bad note must not stop the feed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import secrets
 import threading
 import time
@@ -41,16 +44,16 @@ from typing import Any
 
 from aiohttp import web
 
-from strata.engine.errors import Expired, NotFound, StrataError
+from strata.engine.errors import NotFound, StrataError
 from strata.engine.interface import ChangeSet, Store
-from strata.engine.tree import Trees
+from strata.server.history import UNCOUNTED, count_changes, describe_publish, run_of, walk_back
+
+log = logging.getLogger(__name__)
 
 RING = 4096            # events kept in memory
 PARK_SECONDS = 2.0     # the longest a publish waits for its parent's event
-COUNT_LIMIT = 100_000  # diff lines counted per publish before giving up ("truncated")
 CATCHUP_LIMIT = 10_000  # snapshots walked back per branch when catching up
 MAX_PATHS = 100        # conflicting paths carried by one event
-UNCOUNTED = "_uncounted"  # a publish event whose change counts no reader has needed yet
 
 Key = tuple[str, str]  # (volume, branch)
 
@@ -103,12 +106,12 @@ class EventFeed:
         """
         for cs, head in zip(changesets, heads, strict=True):
             self._note("publish", volume=cs.volume, branch=cs.branch, snapshot=head,
-                       message=cs.message, run=_run_of(cs.meta), txid=txid)
+                       message=cs.message, run=run_of(cs.meta), txid=txid)
 
     def note_conflict(self, changesets: Iterable[ChangeSet], paths: list[str]) -> None:
         for cs in changesets:
             self._note("conflict", volume=cs.volume, branch=cs.branch, base=cs.base,
-                       message=cs.message, run=_run_of(cs.meta), paths=paths[:MAX_PATHS],
+                       message=cs.message, run=run_of(cs.meta), paths=paths[:MAX_PATHS],
                        npaths=len(paths))
 
     def note_step(self, volume: str, branch: str, run: str, status: int, *,
@@ -178,7 +181,7 @@ class EventFeed:
             try:
                 counts = count_changes(store, sid)
             except StrataError:
-                return out
+                return out  # the snapshot was collected before anyone read it: no counts
             with self._lock:
                 self._counts[sid] = counts
                 while len(self._counts) > self._ring_size:
@@ -202,6 +205,9 @@ class EventFeed:
                 try:
                     self._take(note)
                 except Exception:  # noqa: BLE001 - one bad note must not stop the feed
+                    log.warning("event %s on %s@%s dropped", note.kind,
+                                note.data.get("volume"), note.data.get("branch"),
+                                exc_info=True)
                     continue
             self._flush_overdue()
 
@@ -267,50 +273,6 @@ class EventFeed:
             child = self._parked.pop((key[0], key[1], event["snapshot"]), None)
             if child is not None:
                 self._take(child)
-
-
-def _run_of(meta: dict[str, Any]) -> str | None:
-    run = meta.get("run") if isinstance(meta, dict) else None
-    return run if isinstance(run, str) else None
-
-
-def describe_publish(store: Store, sid: str, count_limit: int = COUNT_LIMIT, *,
-                     counts: bool = True) -> dict[str, Any]:
-    """A snapshot as a publish event describes it: parent, message, time, +/-/M counts.
-
-    With `counts=False` the counts are left to `EventFeed.counted` (the event
-    carries UNCOUNTED until then).
-    """
-    info = store.snapshot(sid)
-    out: dict[str, Any] = {"snapshot": sid, "parent": info.parent, "message": info.message,
-                           "snapshot_time": info.time_ns / 1e9, "run": _run_of(info.meta)}
-    if counts:
-        out.update(count_changes(store, sid, count_limit))
-    else:
-        out[UNCOUNTED] = True
-    return out
-
-
-def count_changes(store: Store, sid: str, count_limit: int = COUNT_LIMIT) -> dict[str, Any]:
-    """How many paths a snapshot added, deleted and modified against its parent."""
-    info = store.snapshot(sid)
-    out: dict[str, Any] = {"added": 0, "deleted": 0, "modified": 0}
-    if info.parent is None:
-        return out
-    try:
-        base = store.snapshot(info.parent).root
-    except Expired:
-        out["parent_expired"] = True  # what came before was let go: nothing to compare
-        return out
-    n = 0
-    for _path, old, new in Trees(store, store.node_cache).diff(base, info.root):
-        change = "added" if old is None else "deleted" if new is None else "modified"
-        out[change] += 1
-        n += 1
-        if n >= count_limit:
-            out["truncated"] = True
-            break
-    return out
 
 
 # -- one reader ----------------------------------------------------------------------------
@@ -393,11 +355,7 @@ class Subscription:
             old = self.known.get(key)
             if old == head:
                 continue
-            chain: list[str] = []
-            cur: str | None = head
-            while cur is not None and cur != old and len(chain) < CATCHUP_LIMIT:
-                chain.append(cur)
-                cur = store.snapshot(cur).parent
+            chain, cur = walk_back(store, head, old, CATCHUP_LIMIT)
             if old is None:
                 out.append({"type": "fork", "volume": key[0], "branch": key[1],
                             "snapshot": head, "replayed": True})
@@ -491,7 +449,7 @@ async def stream(request: web.Request, feed: EventFeed, sub: Subscription,
                 await resp.write(b": ping\n\n")
                 alive()
     except (ConnectionResetError, asyncio.CancelledError):
-        pass
+        pass  # the reader left, or the server is stopping: nobody to tell
     finally:
         undo()
     return resp
@@ -533,7 +491,14 @@ async def answer(request: web.Request, state: Any, scope: Any) -> web.StreamResp
     sub = Subscription(feed, watch)
 
     def alive() -> None:
-        state.last_request = time.monotonic()  # a watched server does not idle-exit
+        state.last_request = time.monotonic()
 
-    return await stream(request, feed, sub, state.run, lambda: state.store, since, known,
-                        alive)
+    # A watched server does not idle-exit: the stream holds it (not `inflight`, which a
+    # stop or handoff waits to drain).
+    state.watchers += 1
+    try:
+        return await stream(request, feed, sub, state.run, lambda: state.store, since,
+                            known, alive)
+    finally:
+        state.watchers -= 1
+        alive()

@@ -32,6 +32,7 @@ Rules, as on the HTTP side:
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import struct
 import threading
@@ -48,7 +49,17 @@ from strata.engine.objects import ID_LEN, K_DIR, K_SYMLINK, Entry, FileNode
 from strata.engine.tree import Trees
 from strata.server import app as api
 from strata.server import wire
+from strata.server.bodies import (
+    ANSWER_BUDGET,
+    BODY_BUDGET,
+    MAX_BATCH_ANSWER,
+    MAX_BATCH_GET,
+    BlockingBudget,
+    TooLarge,
+)
 from strata.server.tokens import OWNER
+
+log = logging.getLogger(__name__)
 
 FRAME = struct.Struct(">I")
 MAX_CONNECTIONS = 256  # connections served at once (a thread each)
@@ -57,37 +68,12 @@ LISTED_ENTRY_BYTES = 64  # an entry of a `list` answer without its name, about (
 IO_TIMEOUT = 60.0     # a frame started must arrive within this (an idle connection may wait)
 
 
-class Budget:
-    """Bytes held at once by the stream's requests or answers (threads wait for room)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._cond = threading.Condition()
-
-    @contextlib.contextmanager
-    def hold(self, n: int) -> Iterator[None]:
-        if n < api.LARGE_BODY:
-            yield
-            return
-        n = min(n, self.limit)
-        with self._cond:
-            self._cond.wait_for(lambda: self.used + n <= self.limit)
-            self.used += n
-        try:
-            yield
-        finally:
-            with self._cond:
-                self.used -= n
-                self._cond.notify_all()
-
-
 class LeanServer:
     def __init__(self, state: api.ServerState, listener: socket.socket) -> None:
         self.state = state
         self.listener = listener
-        self.budget = Budget(api.BODY_BUDGET)
-        self.answers = Budget(api.ANSWER_BUDGET)
+        self.budget = BlockingBudget(BODY_BUDGET)
+        self.answers = BlockingBudget(ANSWER_BUDGET)
         self.inflight = 0
         self._cond = threading.Condition()  # guards inflight, connections, closed
         self.connections: set[socket.socket] = set()
@@ -102,9 +88,10 @@ class LeanServer:
         while True:
             try:
                 conn, _addr = self.listener.accept()
-            except OSError:
+            except OSError as exc:
                 if self.closed:
                     return
+                log.debug("lean stream accept failed: %s", exc)
                 time.sleep(0.01)  # EMFILE and the like: try again
                 continue
             with self._cond:
@@ -126,12 +113,16 @@ class LeanServer:
                 (length,) = FRAME.unpack(head)
                 if length > wire.MAX_BODY:
                     # The frame cannot be skipped safely: answer, then hang up.
-                    self._answer(conn, api.TooLarge(f"request frame over {wire.MAX_BODY} bytes"))
+                    self._answer(conn, TooLarge(f"request frame over {wire.MAX_BODY} bytes"))
                     return
                 if not self._one(conn, length):
                     return
         except (EOFError, OSError):
             return  # the client hung up, perhaps mid-frame, or stalled: nothing to answer
+        except Exception:
+            # A fault of ours: this connection ends (its client falls back to HTTP), the
+            # others go on.
+            log.exception("lean stream connection failed")
         finally:
             with self._cond:
                 self.connections.discard(conn)
@@ -165,6 +156,8 @@ class LeanServer:
                         result = self._dispatch(body, answer_held)
                 _send(conn, [0, result])
         except StrataError as exc:
+            if exc.http_status == 500:  # the store's fault, not the client's (Corrupt, ...)
+                log.error("lean request answered 500: %s", exc, exc_info=exc)
             self._answer(conn, exc)
             return not (isinstance(exc, Unavailable) and self.state.mode != "serving")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError) as exc:
@@ -206,8 +199,8 @@ class LeanServer:
         """The first objects of `ids` that fit one answer (at least one): as HTTP's batch read."""
         if not ids:
             return []
-        if len(ids) > api.MAX_BATCH_GET:
-            raise InvalidInput(f"at most {api.MAX_BATCH_GET} ids per batch read")
+        if len(ids) > MAX_BATCH_GET:
+            raise InvalidInput(f"at most {MAX_BATCH_GET} ids per batch read")
         return self._read_fitting(self.state.need_store(), ids, 0, answer_held)
 
     def _read_fitting(self, store: LocalStore, ids: list[bytes], used: int,
@@ -220,7 +213,7 @@ class LeanServer:
         total, count = used, 0
         for oid in ids:
             n = store.object_size(oid)  # NotFound for an unknown id
-            if total + n > api.MAX_BATCH_ANSWER and (count or used):
+            if total + n > MAX_BATCH_ANSWER and (count or used):
                 break
             total += n
             count += 1
@@ -245,7 +238,7 @@ class LeanServer:
         except (ValueError, TypeError, KeyError, IndexError):
             raise InvalidInput(f"{ref.hex()} is not a file node") from None
         self._served(1, len(raw))
-        want = node.block_ids(offset, end)[:api.MAX_BATCH_GET]
+        want = node.block_ids(offset, end)[:MAX_BATCH_GET]
         return [raw, self._read_fitting(store, want, len(raw), answer_held)]
 
     def _publish(self, body: bytes) -> dict[str, Any]:

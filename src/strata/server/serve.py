@@ -6,6 +6,10 @@
 renamed over the old path; TCP ports shared through SO_REUSEPORT), answers
 503 "retry" on them, asks the old owner to drain and release the store, then
 opens it. Clients retry through the gap, so no call fails.
+
+It logs (to STORE/serve.log, set up by the CLI) when it serves, takes over,
+hands off and stops; what it prints on the terminal is the CLI's
+(cli/serve.py).
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from strata.engine.errors import InvalidInput, StrataError, Unavailable
 from strata.engine.local import LocalStore, StoreConfig, read_store_meta
 from strata.memtrim import return_large_buffers_to_the_os
 from strata.server.admission import Admission, AdmittedSite
-from strata.server.app import ServerState, make_app
+from strata.server.app import LOGGED, ServerState, make_app
 from strata.server.client import default_socket, http_connection
 from strata.server.lean import LeanServer
 from strata.server.tokens import TokenStore
 from strata.server.wire import lean_path
+
+log = logging.getLogger(__name__)
 
 GC_INTERVAL = 600.0  # seconds between background garbage collection passes (0: none)
 # A connection must finish sending each request's head (request line and headers)
@@ -38,7 +44,7 @@ GC_INTERVAL = 600.0  # seconds between background garbage collection passes (0: 
 # aiohttp's keep-alive timeout, which closes a connection whose next request is not
 # complete by then (idle or trickling alike). Its default, an hour, let 3,000
 # half-open requests sit for as long as their clients liked. Bodies have their
-# own timeout (app.BODY_TIMEOUT).
+# own timeout (bodies.BODY_TIMEOUT).
 HEADER_TIMEOUT = 10.0
 
 
@@ -116,7 +122,7 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     state.listens = list(listens)
     app = make_app(state)
     _quiet_bad_requests()
-    # auto_decompress off: a compressed body is never inflated (app.UnsupportedEncoding).
+    # auto_decompress off: a compressed body is never inflated (bodies.UnsupportedEncoding).
     runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False,
                            keepalive_timeout=HEADER_TIMEOUT)
     await runner.setup()
@@ -172,7 +178,10 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
             pack_age_limit=float(meta.get("pack_age_limit", StoreConfig().pack_age_limit)))
         state.store = await loop.run_in_executor(state.executor,
                                                  lambda: LocalStore(store_dir, cfg))
-    except BaseException:
+    except BaseException as exc:
+        # Info, not error: the CLI reports the failure itself, on the terminal.
+        log.info("store %s not opened (%s); listeners closed", store_dir,
+                 str(exc) or type(exc).__name__)
         lean.close()
         await _close_listeners(runner, listeners)
         raise
@@ -181,8 +190,11 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     state.tokens = TokenStore(store_dir)
     publish_sockets()  # without --takeover only once the store's lock is ours
     state.mode = "serving"
+    log.info("serving store %s on %s", store_dir, ", ".join(listens))
     if old is not None:
         result.gap_seconds = time.monotonic() - gap_start
+        log.info("took the store over from its previous owner; requests waited %d ms",
+                 result.gap_seconds * 1000)
 
     async def release() -> None:
         """Drain in-flight requests, close the store, keep answering 503."""
@@ -197,12 +209,15 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
             await loop.run_in_executor(state.executor, store.close)
 
     async def on_handoff() -> None:
+        log.info("handing the store to a new owner")
         await release()
         result.notes.append("handed off")
         # Our listeners stay up a moment so late requests get 503, not refusals.
         loop.call_later(0.5, done.set)
 
     async def on_stop() -> None:
+        if state.mode == "serving":
+            log.info("stopping")
         await release()
         done.set()
 
@@ -217,7 +232,8 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
         while not done.is_set():
             await asyncio.sleep(min(limit, 1.0))
             quiet = time.monotonic() - state.last_request > limit
-            if quiet and state.inflight == 0 and not lean.busy():
+            if quiet and state.inflight == 0 and state.watchers == 0 and not lean.busy():
+                log.info("no request for %g s: stopping", limit)
                 await on_stop()
                 return
 
@@ -231,6 +247,7 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
             store = state.store
             why = store.fenced() if store is not None else None
             if why is not None:
+                log.info("the store was taken over elsewhere: %s", why)  # the CLI says so too
                 result.fenced = why
                 result.notes.append(f"stopped: {why}")
                 await on_stop()
@@ -245,8 +262,10 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
                 continue
             try:
                 await loop.run_in_executor(state.executor, store.gc)
-            except StrataError:
-                continue  # reported by the next `strata stats`; tried again later
+            except StrataError as exc:
+                # Also reported by the next `strata stats`; tried again later.
+                log.warning("background garbage collection failed: %s", exc)
+                continue
 
     tasks = [asyncio.ensure_future(watch_fence())]
     gc_every = float(os.environ.get("STRATA_GC_INTERVAL", GC_INTERVAL))
@@ -260,22 +279,25 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     lean.close()
     await _close_listeners(runner, listeners, unlink="handed off" not in result.notes)
     state.executor.shutdown(wait=True)
+    log.info("stopped (%s)", "; ".join(result.notes) or "asked to stop")
     return result
 
 
 def _quiet_bad_requests() -> None:
-    """Keep a client's malformed HTTP out of the log as a traceback.
+    """Keep a client's malformed HTTP, and errors logged already, out of the log.
 
-    aiohttp answers it 400 itself (e.g. both Content-Length and
+    aiohttp answers malformed HTTP 400 itself (e.g. both Content-Length and
     Transfer-Encoding), then logs "Error handling request" with a traceback,
-    which reads like a fault of the server's. Such records are dropped; any
-    other error is logged as before.
+    which reads like a fault of the server's. Such records are dropped, and
+    so are aiohttp's records of exceptions the API's middleware has logged
+    already (it names the request; app.LOGGED). Any other error is logged as
+    before.
     """
     from aiohttp.http_exceptions import HttpProcessingError
 
     def keep(record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, HttpProcessingError)
+        return not isinstance(exc, HttpProcessingError) and not getattr(exc, LOGGED, False)
 
     log = logging.getLogger("aiohttp.server")
     if not any(getattr(f, "__name__", "") == keep.__name__ for f in log.filters):
@@ -291,7 +313,7 @@ async def _close_listeners(runner: web.AppRunner, listeners: list[Listener],
                 if os.stat(lst.unix_path).st_ino == lst.unix_ino:
                     os.unlink(lst.unix_path)
             except OSError:
-                pass
+                pass  # already gone: nothing to remove
         if lst.tmp_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(lst.tmp_path)
@@ -308,7 +330,7 @@ def stop_server(socket_path: str, timeout: float = 30.0) -> bool:
                      headers={"Content-Type": "application/json"})
         conn.getresponse().read()
     except (OSError, http.client.HTTPException):
-        pass
+        pass  # it may hang up as it stops, before answering: the wait below tells
     finally:
         conn.close()
     deadline = time.monotonic() + timeout

@@ -1,4 +1,9 @@
-"""The web view at /ui: volumes, branches, history, diffs and files, live as runs publish.
+"""The web view at /ui: its routes and each request's context (`UiRequest`).
+
+It shows volumes, branches, history, diffs and files, live as runs publish.
+What a file holds and how it is shown (text, SQLite, a unified diff) is read
+by `previews.py`; what a snapshot changed and what a rejected run met, by
+`history.py`.
 
 Everything here reads; no route changes a volume, a branch or a token. The
 browser holds a read-only token in an HttpOnly, SameSite=Strict cookie set by
@@ -38,13 +43,10 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import difflib
-import hashlib
 import itertools
 import json
+import logging
 import os
-import sqlite3
-import tempfile
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -59,37 +61,41 @@ from strata.engine.interface import Store
 from strata.engine.local import LocalStore
 from strata.engine.names import check_branch, check_hex_id, check_volume, split_path
 from strata.engine.objects import ENTRY_KIND_NAMES, K_DIR, K_FILE, K_SYMLINK, Entry, FileNode
-from strata.engine.tree import Trees, decode_name, encode_name
+from strata.engine.tree import Trees, change_kind, decode_name, encode_name
 from strata.server import events as events_mod
+from strata.server.auth import COOKIE
+from strata.server.history import describe_publish, rejection
+from strata.server.previews import (
+    DIFF_FILE_LIMIT,
+    SQLITE_ANSWER,
+    SQLITE_LIMIT,
+    TEXT_LIMIT,
+    file_diff,
+    file_node,
+    file_size,
+    read_file,
+    sniff_file,
+    sqlite_tables,
+    text_lines,
+)
 from strata.server.tokens import Scope
 
-COOKIE = "strata_ui"
+log = logging.getLogger(__name__)
+
 PAGE = 200            # entries in one page of a listing or of history
 MAX_PAGE = 1000
-TEXT_LIMIT = 2 * 1024 * 1024   # bytes of a text file shown
-LINE_LIMIT = 20_000
-DIFF_FILE_LIMIT = 1024 * 1024  # each side of a unified diff
 DIFF_LIMIT = 10_000   # paths in one diff answer; the rest is counted, not sent
-SQLITE_LIMIT = 64 * 1024 * 1024
-SQLITE_ROWS = 100
-SQLITE_TABLES = 50
-SQLITE_STEPS = 2_000_000  # VM steps per query before it is stopped
-SQLITE_ANSWER = 4 * 1024 * 1024  # characters of cells in one SQLite answer, about
-SNIFF = 8192
 VOLUME_SHARE = 4      # executor threads one volume's view requests hold at once (of 32)
 HASH_STEP = 16 * 1024 * 1024  # bytes hashed per trip to the executor
 RAW_STEP = 512 * 1024  # bytes of /ui/raw read per trip (or one block, if larger)
 WRITE_TIMEOUT = 30.0  # seconds a write of an answer may wait for the client to read
 TEXT_ANSWER = 6       # a text answer's bytes per byte of the file, at most (JSON escapes)
-ZEROS = memoryview(bytes(1024 * 1024))  # holes are read as slices of this, never allocated
 T = TypeVar("T")
 
 PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
             "connect-src 'self'; base-uri 'none'; form-action 'none'; "
             "frame-ancestors 'none'")
 RAW_CSP = "default-src 'none'; sandbox"
-IMAGES = {b"\x89PNG\r\n\x1a\n": "image/png", b"\xff\xd8\xff": "image/jpeg",
-          b"GIF87a": "image/gif", b"GIF89a": "image/gif"}
 STATIC = {"app.js": "text/javascript", "app.css": "text/css"}
 
 
@@ -97,30 +103,6 @@ def _headers(csp: str = PAGE_CSP) -> dict[str, str]:
     return {"Content-Security-Policy": csp, "X-Content-Type-Options": "nosniff",
             "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY",
             "Cache-Control": "no-store"}
-
-
-def session_scope(request: web.Request, state: Any) -> Scope | None:
-    """The scope of the browser's cookie; None without a valid one (the page says so).
-
-    As for bearer tokens, a token works only for the volume it was made for,
-    not for a later volume of the same name.
-    """
-    token = request.cookies.get(COOKIE)
-    if not token:
-        return None
-    try:
-        scope: Scope = state.tokens.verify(token)
-        if scope.volume is not None:
-            store = state.need_store()
-            try:
-                current = store.volume_id(scope.volume)
-            except NotFound:
-                current = None
-            if current != scope.volume_id:
-                return None
-    except Unauthenticated:
-        return None
-    return scope
 
 
 # -- request parsing --------------------------------------------------------------------
@@ -148,7 +130,7 @@ def printable(path: str) -> str:
     return encode_name(path).decode("utf-8", "backslashreplace")
 
 
-class View:
+class UiRequest:
     """One request's scope and store, with the API's checks."""
 
     def __init__(self, request: web.Request) -> None:
@@ -205,6 +187,7 @@ class View:
         """`fn` in the executor, in one of this volume's seats, if the client is still there."""
         async with self.shares.seat(self.share):
             if gone(self.request):
+                log.debug("%s: the client left; its work stops", self.request.path)
                 raise ClientGone()
             result: T = await self.state.run(fn, *args)
             return result
@@ -339,9 +322,9 @@ async def login(request: web.Request) -> web.Response:
 # -- volumes, branches, history ------------------------------------------------------------
 
 async def api_volumes(request: web.Request) -> web.Response:
-    view = View(request)
+    view = UiRequest(request)
 
-    def run() -> dict[str, Any]:
+    def list_volumes() -> dict[str, Any]:
         store = view.store
         names = store.list_volumes()
         if not view.scope.is_owner:
@@ -359,10 +342,10 @@ async def api_volumes(request: web.Request) -> web.Response:
             out.append({"name": name, "branches": branches})
         return {"volumes": out, "owner": view.scope.is_owner}
 
-    return _json(await view.run(run))
+    return _json(await view.run(list_volumes))
 
 
-def _limit(view: View) -> int:
+def _limit(view: UiRequest) -> int:
     try:
         n = int(view.arg("limit", str(PAGE)))
     except ValueError as exc:
@@ -372,12 +355,12 @@ def _limit(view: View) -> int:
 
 async def api_log(request: web.Request) -> web.Response:
     """One page of a branch's history, newest first; `next` continues it."""
-    view = View(request)
+    view = UiRequest(request)
     volume = view.volume()
     branch = view.branch(volume)
     limit = _limit(view)
 
-    def run() -> dict[str, Any]:
+    def history_page() -> dict[str, Any]:
         heads = view.heads(volume)
         if branch not in heads:
             raise NotFound(f"no branch {branch!r} in volume {volume!r}")
@@ -388,7 +371,7 @@ async def api_log(request: web.Request) -> web.Response:
         expired = False  # history ends where a retention policy let it go
         while cur is not None and len(entries) < limit:
             try:
-                ev = events_mod.describe_publish(view.store, cur, count_limit=10_000)
+                ev = describe_publish(view.store, cur, count_limit=10_000)
             except Expired:
                 expired, cur = True, None
                 break
@@ -403,7 +386,7 @@ async def api_log(request: web.Request) -> web.Response:
                 "entries": entries, "next": entries[-1]["id"] if cur is not None else None,
                 "older_expired": expired}
 
-    return _json(await view.run(run))
+    return _json(await view.run(history_page))
 
 
 # -- directories and files --------------------------------------------------------------
@@ -437,11 +420,11 @@ def _resolve(store: Store, sid: str, path: str) -> Entry:
 
 async def api_tree(request: web.Request) -> web.Response:
     """One page of a directory (names in byte order); `next` is the last name's q."""
-    view = View(request)
+    view = UiRequest(request)
     volume = view.volume()
     limit = _limit(view)
 
-    def run() -> dict[str, Any]:
+    def directory_page() -> dict[str, Any]:
         sid = view.snapshot(volume)
         path = view.path()
         store = view.store
@@ -468,68 +451,14 @@ async def api_tree(request: web.Request) -> web.Response:
         return {"path": printable(path), "q": quote(path), "dir": True, "count": count,
                 "entries": items, "next": last}
 
-    return _json(await view.run(run))
-
-
-def _node(store: Store, e: Entry) -> FileNode | None:
-    """A file's node, None for content kept in the entry."""
-    return FileNode.decode(store.get_object(e.ref)) if e.ref is not None else None
-
-
-def _size(e: Entry, node: FileNode | None) -> int:
-    """A file's size: its node's, never the entry's claim.
-
-    Publish refuses an entry whose size differs from its node's, but a store
-    may hold entries from before that check.
-    """
-    return node.size if node is not None else len(e.data or b"")
-
-
-def _read(store: Store, e: Entry, limit: int | None = None, node: FileNode | None = None
-          ) -> Iterator[bytes | memoryview]:
-    """A file's bytes, piece by piece (at most `limit` bytes); holes cost no memory."""
-    if e.ref is None:
-        yield (e.data or b"")[:limit]
-        return
-    if node is None:
-        node = FileNode.decode(store.get_object(e.ref))
-    size = node.size if limit is None else min(node.size, limit)
-    if size <= 0:
-        return
-    for length, data in node.pieces(0, size, store.get_object):
-        if data is not None:
-            yield data
-            continue
-        while length > 0:
-            n = min(length, len(ZEROS))
-            yield ZEROS[:n]
-            length -= n
-
-
-def sniff(head: bytes) -> str:
-    """What a file's first bytes say it is: image/…, sqlite, text or binary."""
-    for magic, ctype in IMAGES.items():
-        if head.startswith(magic):
-            return ctype
-    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
-        return "image/webp"
-    if head.startswith(b"SQLite format 3\x00"):
-        return "sqlite"
-    if b"\x00" in head:
-        return "binary"
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        if exc.start < len(head) - 4:  # not just a character cut at the end
-            return "binary"
-    return "text"
+    return _json(await view.run(directory_page))
 
 
 async def api_file(request: web.Request) -> web.StreamResponse:
-    view = View(request)
+    view = UiRequest(request)
     volume = view.volume()
 
-    def start() -> tuple[dict[str, Any], Entry, FileNode | None, str]:
+    def describe_entry() -> tuple[dict[str, Any], Entry, FileNode | None, str]:
         sid = view.snapshot(volume)
         path = view.path()
         store = view.store
@@ -544,11 +473,11 @@ async def api_file(request: web.Request) -> web.StreamResponse:
             out["view"] = "special"
         if "view" in out:
             return out, e, None, ""
-        node = _node(store, e)
-        out["size"] = _size(e, node)
-        return out, e, node, sniff(b"".join(_read(store, e, SNIFF, node)))
+        node = file_node(store, e)
+        out["size"] = file_size(e, node)
+        return out, e, node, sniff_file(store, e, node)
 
-    out, e, node, kind = await view.run(start)
+    out, e, node, kind = await view.run(describe_entry)
     if not kind:
         return _json(out)
     out["blake3"] = await _hash(view, e, node)
@@ -562,30 +491,22 @@ async def api_file(request: web.Request) -> web.StreamResponse:
             out["tables"] = {"error": f"database over {SQLITE_LIMIT >> 20} MiB: not opened"}
         else:
             async with view.answers(SQLITE_ANSWER):
-                out["tables"] = await view.run(_sqlite_tables, view.store, e, node)
+                out["tables"] = await view.run(sqlite_tables, view.store, e, node)
                 return await _sent(request, _json(out))
     elif kind == "text":
-        def text() -> None:
-            data = b"".join(_read(view.store, e, TEXT_LIMIT, node))
-            lines = data.decode("utf-8", "replace").split("\n")
-            if lines and lines[-1] == "":
-                lines.pop()
-            out["view"] = "text"
-            out["lines"] = lines[:LINE_LIMIT]
-            out["truncated"] = size > TEXT_LIMIT or len(lines) > LINE_LIMIT
-
         async with view.answers(min(size, TEXT_LIMIT) * TEXT_ANSWER):
-            await view.run(text)
+            out["view"] = "text"
+            out["lines"], out["truncated"] = await view.run(text_lines, view.store, e, node)
             return await _sent(request, _json(out))
     else:
         out["view"] = "binary"
     return _json(out)
 
 
-async def _hash(view: View, e: Entry, node: FileNode | None) -> str:
+async def _hash(view: UiRequest, e: Entry, node: FileNode | None) -> str:
     """A file's BLAKE3, HASH_STEP bytes per trip to the executor (so it stops with its client)."""
     h = blake3.blake3()
-    pieces = _read(view.store, e, node=node)
+    pieces = read_file(view.store, e, node=node)
 
     def step() -> bool:
         n = 0
@@ -601,91 +522,21 @@ async def _hash(view: View, e: Entry, node: FileNode | None) -> str:
     return str(h.hexdigest())
 
 
-def _cell(v: Any) -> Any:
-    if isinstance(v, bytes):
-        return f"<{len(v)} bytes>"
-    if isinstance(v, str) and len(v) > 500:
-        return v[:500] + "…"
-    return v
-
-
-def _sqlite_tables(store: Store, e: Entry, node: FileNode | None) -> dict[str, Any]:
-    """The tables of a SQLite file: columns and the first rows, read-only, bounded.
-
-    The bytes go to a private temporary file opened read-only and immutable
-    (no journal, no lock, nothing written); every query is stopped after
-    SQLITE_STEPS steps, so a hostile file cannot keep a thread busy, and the
-    cells shown stop at about SQLITE_ANSWER characters (columns computed on
-    read could otherwise make far more than the file holds).
-    """
-    if _size(e, node) > SQLITE_LIMIT:  # the node's size: the entry's is only a claim
-        return {"error": f"database over {SQLITE_LIMIT >> 20} MiB: not opened"}
-    fd, tmp = tempfile.mkstemp(prefix="strata-ui-", suffix=".db")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for piece in _read(store, e, node=node):
-                f.write(piece)
-        uri = "file:" + urllib.parse.quote(tmp) + "?mode=ro&immutable=1"
-        conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
-        try:
-            steps = [0]
-
-            def progress() -> int:
-                steps[0] += 1
-                return 1 if steps[0] * 1000 > SQLITE_STEPS else 0
-
-            conn.set_progress_handler(progress, 1000)
-            conn.execute("PRAGMA query_only = 1")
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("PRAGMA trusted_schema = 0")
-            names = [r[0] for r in conn.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name LIMIT ?",
-                (SQLITE_TABLES,))]
-            tables = []
-            left = SQLITE_ANSWER
-            for name in names:
-                steps[0] = 0
-                ident = '"' + str(name).replace('"', '""') + '"'
-                try:
-                    cur = conn.execute(f"SELECT * FROM {ident} LIMIT {SQLITE_ROWS}")
-                    cols = [d[0] for d in cur.description or ()]
-                    rows = []
-                    for row in cur:
-                        cells = [_cell(v) for v in row]
-                        left -= sum(len(c) if isinstance(c, str) else 16 for c in cells)
-                        if left < 0:
-                            break
-                        rows.append(cells)
-                    steps[0] = 0
-                    count = conn.execute(f"SELECT count(*) FROM {ident}").fetchone()[0]
-                    tables.append({"name": str(name), "columns": cols, "rows": rows,
-                                   "count": count, "cut": left < 0})
-                except sqlite3.Error as exc:
-                    tables.append({"name": str(name), "error": str(exc)})
-            return {"tables": tables, "limit": SQLITE_ROWS}
-        finally:
-            conn.close()
-    except sqlite3.Error as exc:
-        return {"error": f"not a readable SQLite database: {exc}"}
-    finally:
-        os.unlink(tmp)
-
-
 async def raw(request: web.Request) -> web.StreamResponse:
     """A file's bytes: a raster image inline, anything else only as a download."""
-    view = View(request)
+    view = UiRequest(request)
     volume = view.volume()
 
-    def run() -> tuple[Entry, FileNode | None, str, str]:
+    def open_file() -> tuple[Entry, FileNode | None, str, str]:
         sid = view.snapshot(volume)
         path = view.path()
         e = _resolve(view.store, sid, path)
         if e.kind != K_FILE:
             raise InvalidInput(f"{printable(path)!r} is not a regular file")
-        node = _node(view.store, e)
-        return e, node, sniff(b"".join(_read(view.store, e, SNIFF, node))), path
+        node = file_node(view.store, e)
+        return e, node, sniff_file(view.store, e, node), path
 
-    e, node, kind, path = await view.run(run)
+    e, node, kind, path = await view.run(open_file)
     headers = {**_headers(RAW_CSP), "Cache-Control": "private, max-age=3600",
                "Cross-Origin-Resource-Policy": "same-origin"}
     if kind.startswith("image/"):
@@ -698,9 +549,9 @@ async def raw(request: web.Request) -> web.StreamResponse:
         headers["Content-Disposition"] = (f"attachment; filename=\"{ascii_name}\"; "
                                           f"filename*=UTF-8''{urllib.parse.quote(name)}")
     resp = web.StreamResponse(headers={**headers, "Content-Type": ctype})
-    resp.content_length = _size(e, node)
+    resp.content_length = file_size(e, node)
     await resp.prepare(request)
-    pieces = _read(view.store, e, node=node)
+    pieces = read_file(view.store, e, node=node)
     # A trip reads RAW_STEP bytes, or one block where blocks are larger: those are held
     # in the answer budget until written (16 pieces a trip held 256 MiB of 16 MiB blocks).
     step = max(node.block_size if node is not None else 0, RAW_STEP)
@@ -736,17 +587,17 @@ async def api_diff(request: web.Request) -> web.StreamResponse:
     once; after DIFF_LIMIT paths the rest is only counted. The last line is
     `{"end": true, "total": N, "truncated": bool}`.
     """
-    view = View(request)
+    view = UiRequest(request)
     volume = view.volume()
 
-    def start() -> Iterator[tuple[str, Entry | None, Entry | None]]:
+    def start_diff() -> Iterator[tuple[str, Entry | None, Entry | None]]:
         a = view.snapshot(volume, "a")
         b = view.snapshot(volume, "b")
         store = view.store
         trees = Trees(store, store.node_cache)
         return trees.diff(store.snapshot(a).root, store.snapshot(b).root)
 
-    lines = await view.run(start)
+    lines = await view.run(start_diff)
     resp = web.StreamResponse(headers={**_headers(), "Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     total = 0
@@ -759,7 +610,7 @@ async def api_diff(request: web.Request) -> web.StreamResponse:
             total += 1
             if total > DIFF_LIMIT:
                 continue
-            change = "added" if old is None else "deleted" if new is None else "modified"
+            change = change_kind(old, new)
             e = new if new is not None else old
             assert e is not None
             out.append(json.dumps({"path": printable(path), "q": quote(path), "change": change,
@@ -774,46 +625,21 @@ async def api_diff(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def _side(store: Store, sid: str, path: str) -> tuple[Entry | None, bytes | None]:
-    e = Trees(store, store.node_cache).resolve(store.snapshot(sid).root, split_path(path))
-    if e is None or e.kind != K_FILE:
-        return e, None
-    return e, b"".join(_read(store, e, DIFF_FILE_LIMIT + 1))
-
-
 async def api_filediff(request: web.Request) -> web.StreamResponse:
     """One path's change between snapshots a and b: a unified diff for text."""
-    view = View(request)
+    view = UiRequest(request)
     volume = view.volume()
 
-    def run() -> dict[str, Any]:
+    def diff_one_file() -> dict[str, Any]:
         a = view.snapshot(volume, "a")
         b = view.snapshot(volume, "b")
         path = view.path()
-        ea, da = _side(view.store, a, path)
-        eb, db = _side(view.store, b, path)
-        out: dict[str, Any] = {"path": printable(path), "q": quote(path),
-                               "old_size": ea.size if ea else None,
-                               "new_size": eb.size if eb else None}
-        texts: list[list[str]] = []
-        for data in (da, db):
-            if data is None:
-                texts.append([])
-                continue
-            if len(data) > DIFF_FILE_LIMIT or sniff(data[:SNIFF]) != "text":
-                out["kind"] = "binary"
-                out["old_sha256"] = hashlib.sha256(da).hexdigest() if da is not None else None
-                out["new_sha256"] = hashlib.sha256(db).hexdigest() if db is not None else None
-                return out
-            texts.append(data.decode("utf-8", "replace").splitlines())
-        out["kind"] = "text"
-        out["diff"] = list(difflib.unified_diff(texts[0], texts[1], f"a/{printable(path)}",
-                                                f"b/{printable(path)}", lineterm=""))
-        return out
+        return {"path": printable(path), "q": quote(path),
+                **file_diff(view.store, a, b, path, printable(path))}
 
     # Both sides (up to DIFF_FILE_LIMIT each) and the diff: held as the API holds answers.
     async with view.answers(4 * DIFF_FILE_LIMIT):
-        return await _sent(request, _json(await view.run(run)))
+        return await _sent(request, _json(await view.run(diff_one_file)))
 
 
 # -- rejected change sets ---------------------------------------------------------------------
@@ -826,64 +652,34 @@ async def api_rejected(request: web.Request) -> web.Response:
     branches: the snapshots published since that base that touched the same
     paths.
     """
-    view = View(request)
+    view = UiRequest(request)
     volume = view.volume()
     branch = view.branch(volume)
 
-    def run() -> dict[str, Any]:
-        store = view.store
+    def analyse_rejection() -> dict[str, Any]:
         heads = view.heads(volume)
         if branch not in heads:
             raise NotFound(f"no branch {branch!r} in volume {volume!r}")
-        head = heads[branch]
-        info = store.snapshot(head)
-        base = info.parent
-        trees = Trees(store, store.node_cache)
-        mine: dict[str, str] = {}
-        if base is not None:
-            for path, old, new in itertools.islice(
-                    trees.diff(store.snapshot(base).root, info.root), DIFF_LIMIT):
-                mine[path] = "added" if old is None else "deleted" if new is None else "modified"
-        against = []
-        for other, ohead in sorted(heads.items()):
-            if other == branch or other.startswith("rejected/") or base is None:
-                continue
-            chain: list[str] = []
-            cur: str | None = ohead
-            while cur is not None and cur != base and len(chain) < 1000:
-                chain.append(cur)
-                cur = store.snapshot(cur).parent
-            if cur != base:
-                continue  # this branch does not descend from the run's base
-            snaps = []
-            for sid in reversed(chain):
-                s = store.snapshot(sid)
-                parent = s.parent
-                touched = []
-                if parent is not None:
-                    for path, _o, _n in itertools.islice(
-                            trees.diff(store.snapshot(parent).root, s.root), DIFF_LIMIT):
-                        if path in mine:
-                            touched.append({"path": printable(path), "q": quote(path)})
-                if touched:
-                    snaps.append({"id": sid, "parent": parent, "message": s.message,
-                                  "time": s.time_ns / 1e9, "paths": touched})
-            if snaps:
-                against.append({"branch": other, "snapshots": snaps})
-        return {"volume": volume, "branch": branch, "head": head, "base": base,
-                "message": info.message, "time": info.time_ns / 1e9,
+        r = rejection(view.store, heads, branch, DIFF_LIMIT)
+        against = [{"branch": other, "snapshots": [
+            {"id": t.info.id, "parent": t.info.parent, "message": t.info.message,
+             "time": t.info.time_ns / 1e9,
+             "paths": [{"path": printable(p), "q": quote(p)} for p in t.paths]}
+            for t in touched]} for other, touched in r.conflicts_with]
+        return {"volume": volume, "branch": branch, "head": r.head.id, "base": r.head.parent,
+                "message": r.head.message, "time": r.head.time_ns / 1e9,
                 "changes": [{"path": printable(p), "q": quote(p), "change": c}
-                            for p, c in mine.items()],
+                            for p, c in r.changes.items()],
                 "conflicts_with": against}
 
-    return _json(await view.run(run))
+    return _json(await view.run(analyse_rejection))
 
 
 # -- live updates -------------------------------------------------------------------------
 
 async def ui_events(request: web.Request) -> web.StreamResponse:
     """The session's own event stream (the cookie's scope; same events as GET /events)."""
-    view = View(request)
+    view = UiRequest(request)
     resp: web.StreamResponse = await events_mod.answer(request, view.state, view.scope)
     return resp
 

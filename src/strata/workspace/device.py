@@ -16,18 +16,22 @@ after it, which is all a journaling filesystem on top asks of a disk. Once a
 publish is refused because another host took the lease (fenced), the device
 fails every later write and flush: nothing of this host reaches the
 workspace again.
+
+`create` and `read_layout` make and read the layout (`workspace.json`) at a
+workspace volume's root. Nothing here mounts, forks or knows of FUSE.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from strata.engine.errors import Forbidden, StrataError
+from strata.engine.errors import Forbidden, InvalidInput, StrataError
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.objects import (
     BLOCK,
@@ -40,6 +44,9 @@ from strata.engine.objects import (
     object_id,
 )
 from strata.engine.tree import Trees
+from strata.workspace import LAYOUT_PATH
+
+log = logging.getLogger(__name__)
 
 SNAPSHOT_PATH = "snapshot.json"   # the message of the last named snapshot
 DISK_DIR = "disk"
@@ -569,3 +576,28 @@ def written_extents(trees: Trees, root: Entry) -> Iterable[int]:
             yield int(name, 16)
         except ValueError:
             continue
+
+
+# -- the workspace in the store --------------------------------------------------------
+
+def create(store: Store, volume: str, layout: Layout) -> str:
+    """A new volume holding an empty (never written) device; returns its head."""
+    store.create_volume(volume)
+    head = store.head(volume, "live")
+    raw = layout.encode()
+    return store.publish([ChangeSet(volume, "live", head, {
+        LAYOUT_PATH: Entry(kind=K_FILE, mode=0o644, size=len(raw), data=raw)},
+        "create workspace", {"workspace": "create"})])[0]
+
+
+def read_layout(store: Store, sid: str) -> Layout:
+    e = Trees(store).resolve(store.snapshot(sid).root, [LAYOUT_PATH])
+    if e is None or e.kind != K_FILE:
+        raise InvalidInput("this volume is not a workspace (it has no workspace.json)")
+    if e.data is not None:
+        raw = e.data
+    elif e.ref is not None and e.size <= 4096:
+        raw = FileNode.decode(store.get_object(e.ref)).read(0, e.size, store.get_object)
+    else:
+        raise InvalidInput("workspace.json is not a workspace layout")
+    return Layout.decode(raw)

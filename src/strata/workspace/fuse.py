@@ -9,6 +9,7 @@ flushes (journal commits, `fsync`, `sync`) into `fsync` of this file, which
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import trio
 
 from strata.workspace.device import Device, DeviceError
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 ROOT = pyfuse3.ROOT_INODE
 DISK = ROOT + 1
@@ -35,9 +37,9 @@ INLINE_FLUSH = 1 << 20
 def _report(exc: Exception) -> None:
     """Log why a request fails with EIO (the store is unreachable, damaged, or fenced us)."""
     if isinstance(exc, DeviceError):
-        print(f"strata workspace: {exc}", flush=True)
-    else:
-        print(f"strata workspace: {type(exc).__name__}: {exc}", flush=True)
+        log.warning("%s", exc)
+    else:  # not one strata expects: keep where it came from
+        log.warning("%s: %s", type(exc).__name__, exc, exc_info=exc)
 
 
 async def _call(fn: Callable[..., T], *args: Any) -> T:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import struct
 import time
+
+log = logging.getLogger(__name__)
 
 LOOP_CTL_GET_FREE = 0x4C82
 LOOP_CONFIGURE = 0x4C0A

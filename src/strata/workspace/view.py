@@ -9,6 +9,7 @@ memory), and the command reads the real files.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat as statmod
 from collections.abc import Iterator
@@ -17,6 +18,8 @@ from strata.engine.errors import InvalidInput, StrataError
 from strata.engine.interface import Store
 from strata.engine.kinds import KIND_OF_IFMT
 from strata.engine.objects import K_FILE, K_SYMLINK, Entry
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager

@@ -1184,6 +1184,8 @@ def test_whole_tree_survives_commit_and_remount(sm: SharedMount,
     with sm.fresh() as f:
         assert diff_states(expected, tree_state(f / "varied")) == []
         again = tree_state(f)
-        for p, counts in stale.items():
-            assert (live[p].pop("nlink"), again[p].pop("nlink")) == counts, p
+        for p, (stale_count, count) in stale.items():
+            # Stale until a commit moves the mount onto a new snapshot (mount/move.py).
+            assert live[p].pop("nlink") in (stale_count, count), p
+            assert again[p].pop("nlink") == count, p
         assert diff_states(live, again) == []

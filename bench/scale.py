@@ -398,7 +398,7 @@ def rows_for(small: Size, big: Size) -> list[dict[str, Any]]:
         row(f"scale: the change's own pack bytes ({big.window_publishes} x 4 KiB payload), "
             f"{big.label}", big.change_bytes / KIB, "KiB", big.payload_bytes / KIB,
             "payload"),
-        row(f"scale: checkpoints in the window, {big.label}", big.checkpoints, "",
+        row(f"scale: checkpoints in the window, {big.label}", big.checkpoints, "checkpoints",
             small.checkpoints, b),
         row(f"scale: server CPU at 1 publish/s, {big.label}", big.cpu_core * 100,
             "% of a core", small.cpu_core * 100, b, "<= 5%", met=big.cpu_core <= 0.05),

@@ -17,7 +17,7 @@ APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync iprou
                 chromium chromium-driver zstd e2fsprogs nodejs
 APT_OPTIONAL := runsc s3fs s3backer rclone mmdebstrap
 
-.PHONY: deps apt-deps lint test demo bench day fuzz clean
+.PHONY: deps apt-deps lint test demo bench bench-scale day fuzz clean
 
 deps: apt-deps $(STAMP)
 
@@ -44,6 +44,11 @@ demo: deps
 
 bench: deps
 	$(BIN)/python -m bench
+
+# Each cost on a ~1M-object bucket store beside the same on ~100k (about 6 minutes);
+# SCALE=--large: 10M beside 1M, SCALE=--quick: 100k beside 10k.
+bench-scale: deps
+	$(BIN)/python -m bench --only scale $(SCALE) --out bench/results/scale.json
 
 # One agent's day on every rung: local disk, upload at stop, s3fs, s3backer,
 # rclone mount, NFS when the kernel has nfsd, and the strata workspace. Sizes: DAY_* env vars.

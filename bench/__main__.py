@@ -7,7 +7,20 @@ import json
 import os
 import sys
 
-from bench import bucket, day, engine, gc, mount, sandbox, server, speed, steps, ui, workspace
+from bench import (
+    bucket,
+    day,
+    engine,
+    gc,
+    mount,
+    sandbox,
+    scale,
+    server,
+    speed,
+    steps,
+    ui,
+    workspace,
+)
 from bench.report import print_table
 
 
@@ -18,12 +31,15 @@ def main() -> None:
                     help="directory on the local disk to run in")
     ap.add_argument("--out", default="bench/results/engine.json")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    ap.add_argument("--large", action="store_true",
+                    help="scale group: 1M against 10M objects (default 100k against 1M)")
     ap.add_argument("--churn-rounds", type=int, default=None,
                     help="rounds of the GC churn on a mount (default 20, 5 with --quick)")
     ap.add_argument("--only",
                     default="engine,server,bucket,gc,mount,steps,sandbox,ui,speed,workspace,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
-                         "steps, sandbox, ui, speed, workspace, day)")
+                         "steps, sandbox, ui, speed, workspace, day, scale; scale is left out of "
+                         "the default)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -61,6 +77,14 @@ def main() -> None:
     if ws_rows:
         print_table("strata workspaces: baselines from the same run", ws_rows)
     speed_rows += ws_rows
+    scale_rows = scale.run(args.dir, quick=args.quick, large=args.large) \
+        if "scale" in groups else []
+    if scale_rows:
+        print_table("strata at scale: each cost beside the same cost on a store a tenth the "
+                    "size, measured in the same run", scale_rows, baseline="baseline",
+                    caption="ratio = the figure / its baseline (a smaller store, or the "
+                    "change's own bytes, as the row says); moto on loopback shares the 2 cores")
+    speed_rows += scale_rows
     day_rows: list[dict[str, object]] = []
     if "day" in groups:
         days = day.run(args.dir, quick=args.quick)

@@ -19,11 +19,13 @@ def row(name: str, value: float, unit: str, baseline: float | None = None,
             "baseline_what": baseline_what, "ratio": ratio, "target": target, "met": met}
 
 
-def print_table(title: str, rows: list[dict[str, Any]]) -> None:
-    table = Table(title=title, caption="ratio = strata's cost / the local disk's cost "
-                  "(time over time, or rate over rate inverted): 1.0 is parity")
-    for col in ("benchmark", "strata", "local disk", "ratio", "target", "met"):
-        table.add_column(col, justify="left" if col in ("benchmark", "target") else "right")
+def print_table(title: str, rows: list[dict[str, Any]], *, baseline: str = "local disk",
+                caption: str = "ratio = strata's cost / the local disk's cost "
+                "(time over time, or rate over rate inverted): 1.0 is parity") -> None:
+    table = Table(title=title, caption=caption)
+    for col in ("benchmark", "strata", baseline, "ratio", "target", "met"):
+        table.add_column(col, justify="left" if col in ("benchmark", "target") else "right",
+                         overflow="fold")
     for r in rows:
         base = "" if r["baseline"] is None else f"{_fmt(r['baseline'])} {r['unit']}"
         if r["baseline_what"]:

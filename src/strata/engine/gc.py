@@ -22,8 +22,9 @@ One pass (`collect`):
    was found unreachable at least `min_age` seconds ago, leaves the index.
    Its snapshots are remembered as expired (reads say so).
 5. **Compact.** Live bytes per pack come from the index (no pack is read
-   for it; incremental: its `packbytes` table less the garbage). A sealed pack under half live has its live objects copied to the
-   active pack (their frames as they are); the copies take over in the index.
+   for it; incremental: its `packbytes` table less the garbage). A sealed
+   pack under half live has its live objects copied to the active pack
+   (their frames as they are); the copies take over in the index.
    With `min_age` 0 the active pack is sealed first, so garbage written
    seconds ago is reclaimed at once.
 6. **Delete** packs found empty by an earlier pass (deferred one pass), and
@@ -703,33 +704,33 @@ def _unreachable(store: Collectable, keep: set[bytes], start: tuple[int, int]) -
     out = Unreachable({}, {})
     unnamed = ix.unnamed()
     out.examined = len(unnamed)
-    todo = [(o, loc) for o, loc in unnamed if o not in keep and (loc.pack, loc.offset) < start]
+    frontier = [(o, loc) for o, loc in unnamed
+                if o not in keep and (loc.pack, loc.offset) < start]
     dropped: dict[bytes, int] = {}
-    while todo:
-        oid, loc = todo.pop()
-        if oid in out.objects:
-            continue
-        out.objects[oid] = loc
-        if loc.kind == BLOCK:
-            out.names[oid] = []
-            continue
-        named = _names(store, loc, oid, True)
-        if named is None:
-            raise _Inexact(f"object {oid.hex()} cannot be read")
-        out.names[oid] = named
-        check = []
-        for o in named:
-            dropped[o] = dropped.get(o, 0) + 1
-            if o not in keep and o not in out.objects:
-                check.append(o)
+    while frontier:  # in waves: each object named by a wave is looked up once
+        touched: set[bytes] = set()
+        for oid, loc in frontier:
+            if oid in out.objects:
+                continue
+            out.objects[oid] = loc
+            named = _names(store, loc, oid, True)
+            if named is None:
+                raise _Inexact(f"object {oid.hex()} cannot be read")
+            out.names[oid] = named
+            for o in named:
+                dropped[o] = dropped.get(o, 0) + 1
+                if o not in keep:
+                    touched.add(o)
+        check = [o for o in touched if o not in out.objects]
         out.examined += len(check)
+        frontier = []
         for o, count in zip(check, ix.ref_counts(check), strict=True):
             if dropped[o] > count:
                 raise _Inexact(f"object {o.hex()} is named more often than counted")
             if dropped[o] == count:
                 oloc = ix.locate(o)
                 if oloc is not None and (oloc.pack, oloc.offset) < start:
-                    todo.append((o, oloc))
+                    frontier.append((o, oloc))
     return out
 
 

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from strata.engine.errors import Expired, InvalidInput, NotFound, StrataError
 from strata.engine.gc import PIN_LIFETIME
+from strata.engine.index import COUNT
 from strata.engine.interface import ChangeSet
 from strata.engine.local import LocalStore, StoreConfig, init_store
-from strata.engine.objects import BLOCK, FILENODE, K_FILE, Entry, FileNode
+from strata.engine.objects import BLOCK, FILENODE, K_FILE, Entry, FileNode, references
 from strata.engine.pack import pack_name
 from strata.engine.txn import Transaction
 
@@ -299,10 +301,17 @@ class GcMachine(RuleBasedStateMachine):
         else:
             self.branch_keep[branch] = n
 
-    @rule(dry=st.booleans())
-    def gc(self, dry: bool) -> None:
+    @rule(dry=st.booleans(), full=st.booleans())
+    def gc(self, dry: bool, full: bool) -> None:
         in_grace = time.time() < self.grace_until
-        report = self.s.gc(min_age=0, dry_run=dry)
+        report = self.s.gc(min_age=0, dry_run=dry, full=full)
+        # The accounting never goes wrong here: passes stay incremental, and a full
+        # mark finds exactly the garbage the accounting found.
+        assert report["mode"] == ("full" if full else "incremental"), report
+        assert report["fallback"] is None, report
+        if full:
+            c = report["checked"]
+            assert c["live_in_full_mark"] == c["missed_by_accounting"] == 0, c
         if in_grace and not dry:  # pins from before the reopen may still be held
             assert report["objects_deleted"] == 0, report
             assert report["waiting"] or not report["objects_unreachable"], report
@@ -391,11 +400,35 @@ class GcMachine(RuleBasedStateMachine):
             got = {name: t.read(name) for name, _e in t.listdir("")}
             assert got == files, sid
 
+    @rule()
+    def accounting_is_exact(self) -> None:
+        """The counts, the unnamed objects and the bytes per pack, recomputed from scratch."""
+        assert_accounting_exact(self.s)
+
     @invariant()
     def heads_match(self) -> None:
         heads = self.s.list_branches("v")
         assert {b: h for b, h in heads.items() if not b.startswith("tags/")} == {
             b: h[-1][0] for b, h in self.hist.items()}
+
+
+def assert_accounting_exact(s: LocalStore) -> None:
+    s.sync_index()
+    ix = s.index
+    assert ix.counted()
+    objects = dict(ix.iter_objects())
+    want: Counter[bytes] = Counter()
+    per_pack: Counter[int] = Counter()
+    for oid, loc in objects.items():
+        per_pack[loc.pack] += loc.length
+        if loc.kind != BLOCK:
+            want.update(list(dict.fromkeys(o for _k, o in references(loc.kind, s.get_object(oid)))))
+    with ix.env.begin() as txn:
+        counts = {bytes(k): COUNT.unpack(v)[0] for k, v in txn.cursor(db=ix.counts)}
+        zero = {bytes(k) for k in txn.cursor(db=ix.zero).iternext(values=False)}
+    assert counts == dict(want)
+    assert zero == {o for o in objects if o not in want}
+    assert ix.pack_bytes() == dict(per_pack)
 
 
 def _crash(s: LocalStore, cut: float) -> None:

@@ -30,6 +30,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--min-age", type=parse_duration, default=None, metavar="DURATION",
                    help="delete only what has been unreachable this long (default 5m; "
                         "0 for tests and demos)")
+    p.add_argument("--full", action="store_true",
+                   help="mark from every kept snapshot, not only from what changed, and "
+                        "check the incremental accounting against it")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_gc)
 
@@ -67,7 +70,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    payload: dict[str, Any] = {"dry_run": bool(args.dry_run)}
+    payload: dict[str, Any] = {"dry_run": bool(args.dry_run), "full": bool(args.full)}
     if args.min_age is not None:
         payload["min_age"] = args.min_age
     from strata.engine.local import LocalStore
@@ -76,6 +79,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if isinstance(store, LocalStore):  # STRATA_IN_PROCESS=1: the phases, as they start
             with progress_bar("garbage collection") as progress:
                 report = store.gc(dry_run=payload["dry_run"], progress=progress,
+                                  full=payload["full"],
                                   **({"min_age": args.min_age} if args.min_age is not None
                                      else {}))
         else:
@@ -96,6 +100,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
           f"disk now ({len(report['packs_deleted'])} pack(s) deleted); compaction "
           f"{'would copy' if dry else 'copied'} {_mb(report['bytes_copied'])} of live data "
           f"out of {len(report['packs_compacted'])} pack(s)")
+    print(f"gc: {report.get('mode', 'full')} pass, {report.get('objects_examined', 0)} "
+          f"object(s) examined" + (f" ({report['fallback']})" if report.get("fallback") else ""))
     pending = report.get("bytes_pending", 0)
     if pending:
         # Packs go one pass after they empty: a reader that began before this pass

@@ -9,7 +9,12 @@ One pass (`collect`):
    volume's policy keeps (`keep_last` snapshots, or those newer than
    `keep_newer` seconds; neither set keeps all history); live pins (mounts
    and steps, through the server); snapshots of leased branches.
-3. **Mark** everything the roots reach, reading tree and file nodes only.
+3. **Mark** everything the roots reach, reading tree and file nodes only. When
+   the index's accounting is exact (reference counts, `index.py`) and no full
+   mark was asked for, the pass is incremental instead: under the gate it
+   starts from the objects no indexed node names and takes what no root keeps,
+   reading only that garbage (`_unreachable`; docs/design.md "GC accounting").
+   A count found wrong makes it mark in full, never delete on a guess.
 4. **Sweep**, with publishes held off for a moment (`Gate`): mark again from
    whatever moved meanwhile (only new nodes are read), then every indexed
    object that is unmarked, was stored before the pass began, was not
@@ -17,8 +22,9 @@ One pass (`collect`):
    was found unreachable at least `min_age` seconds ago, leaves the index.
    Its snapshots are remembered as expired (reads say so).
 5. **Compact.** Live bytes per pack come from the index (no pack is read
-   for it). A sealed pack under half live has its live objects copied to the
-   active pack (their frames as they are); the copies take over in the index.
+   for it; incremental: its `packbytes` table less the garbage). A sealed
+   pack under half live has its live objects copied to the active pack
+   (their frames as they are); the copies take over in the index.
    With `min_age` 0 the active pack is sealed first, so garbage written
    seconds ago is reclaimed at once.
 6. **Delete** packs found empty by an earlier pass (deferred one pass), and
@@ -45,7 +51,7 @@ from strata.engine.errors import InvalidInput, NotFound, Unavailable
 from strata.engine.index import Index, Loc
 from strata.engine.interface import Lease, SnapshotInfo
 from strata.engine.journal import Journal
-from strata.engine.objects import FILENODE, SNAPSHOT, TREE, references
+from strata.engine.objects import BLOCK, FILENODE, SNAPSHOT, TREE, references
 from strata.engine.packstore import PackStore
 from strata.engine.refs import Refs
 from strata.engine.storedir import write_durably
@@ -340,6 +346,10 @@ class Report:
     live_bytes: int = 0
     dead_bytes: int = 0
     waiting: str | None = None    # why nothing was deleted yet
+    mode: str = "incremental"     # or "full": every retained snapshot's tree was marked
+    objects_examined: int = 0     # index entries looked at (full: all of them)
+    fallback: str | None = None   # why a pass meant to be incremental marked in full
+    checked: dict[str, int] | None = None  # a full pass's check of the accounting
     # Packs this pass emptied (or compacted): deleted by the next pass, once nothing that
     # began before this one can still read them. Their bytes are still on disk now.
     packs_pending: list[int] = field(default_factory=list)
@@ -374,17 +384,20 @@ class Collectable(Protocol):
     def delete_branch(self, volume: str, branch: str) -> None: ...
     def object_kind(self, oid: bytes) -> int | None: ...
     def get_object(self, oid: bytes) -> bytes: ...
-    def forget(self, oids: list[bytes], expired: list[bytes]) -> None: ...
+    def forget(self, gone: dict[bytes, tuple[Loc, list[bytes]]],
+               expired: list[bytes]) -> None: ...
     def remove_pack(self, number: int) -> None: ...
 
 
 def collect(store: Collectable, journal: Journal, packs: PackStore, *,
             min_age: float = DEFAULT_MIN_AGE, dry_run: bool = False,
-            progress: GcProgress | None = None) -> dict[str, Any]:
+            progress: GcProgress | None = None, full: bool = False) -> dict[str, Any]:
     """One GC pass over `store` (see the module docstring); returns its report.
 
     `journal` and `packs` are the store's own: the pass seals and copies
-    through the one and sizes and reads packs through the other.
+    through the one and sizes and reads packs through the other. `full` marks
+    from every root even when the accounting would do, and checks the one
+    against the other.
     """
     if min_age < 0:
         raise InvalidInput("min age cannot be negative")
@@ -392,7 +405,7 @@ def collect(store: Collectable, journal: Journal, packs: PackStore, *,
         report = Report(dry_run=dry_run, min_age=min_age)
         t0 = time.monotonic()
         _pass(store, journal, packs, report, min_age, dry_run,
-              progress or (lambda _d, _t, _p: None))
+              progress or (lambda _d, _t, _p: None), full)
         report.seconds = round(time.monotonic() - t0, 4)
         out = report.as_dict()
         if not dry_run:
@@ -401,7 +414,7 @@ def collect(store: Collectable, journal: Journal, packs: PackStore, *,
 
 
 def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report,
-          min_age: float, dry_run: bool, progress: GcProgress) -> None:
+          min_age: float, dry_run: bool, progress: GcProgress, full: bool) -> None:
     blocked = store.gc_blocked()
     if blocked is not None:
         raise Unavailable(blocked)
@@ -425,14 +438,19 @@ def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report
                     with contextlib.suppress(NotFound):
                         store.delete_branch(vol, br)
 
-    # 2.-3. roots and mark
+    # 2.-4. roots, mark and sweep. Incremental when the accounting is exact and no full
+    # mark was asked for: only what no indexed node names is examined (docs/design.md,
+    # "GC accounting"); otherwise, or when the accounting is found wrong, a full mark.
     progress(1, len(PHASES), PHASES[1])
+    skip = set(report.branches_expired) if dry_run else set()
+    counted = store.index.counted()
+    report.mode = "incremental" if counted and not full else "full"
     live: set[bytes] = set()
-    roots = _roots(store, now, report, skip=set(report.branches_expired) if dry_run else set())
-    _mark(store, roots, live)
-    report.snapshots_retained = len(roots)
-
-    # 4. sweep (publishes wait for the short final part)
+    roots: set[bytes] = set()
+    if report.mode == "full":
+        roots = _roots(store, now, report, skip=skip)
+        _mark(store, roots, live)
+        report.snapshots_retained = len(roots)
     progress(2, len(PHASES), PHASES[2])
     young_pins = store.upload_pins()
     # Pins an earlier owner granted are not known here: wait them out. Without any
@@ -440,18 +458,48 @@ def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report
     inherited = store.pins.grace_left()
     grace = inherited > 0 or store.opened_for() < min(PIN_LIFETIME, min_age)
     with store.gate.exclusive():
-        again = _roots(store, now, None, skip=set())
-        _mark(store, again - roots, live)
-        _mark_nodes(store, store.upload_pins() | young_pins, live)
         store.sync_index()
-        candidates: dict[bytes, Loc] = {}
-        live_bytes: dict[int, int] = {}
-        for oid, loc in store.index.iter_objects():
-            if oid in live or (loc.pack, loc.offset) >= start:
-                live_bytes[loc.pack] = live_bytes.get(loc.pack, 0) + loc.length
-            else:
-                candidates[oid] = loc
-        report.objects_live = len(live)
+        pinned = store.upload_pins() | young_pins
+        incr: Unreachable | None = None
+        if counted:
+            keep = _roots(store, now, report if report.mode == "incremental" else None,
+                          skip=skip)
+            if report.mode == "incremental":
+                report.snapshots_retained = len(keep)
+            try:
+                incr = _unreachable(store, keep | pinned, start)
+            except _Inexact as exc:
+                incr = None
+                report.fallback = f"the accounting is inexact ({exc}): marked in full"
+        if report.mode == "full" or incr is None:
+            if report.mode == "incremental":  # fall back: mark everything now
+                report.mode = "full"
+                roots = _roots(store, now, None, skip=skip)
+                _mark(store, roots, live)
+            again = _roots(store, now, None, skip=skip)
+            _mark(store, again - roots, live)
+            _mark_nodes(store, pinned, live)
+            candidates: dict[bytes, Loc] = {}
+            live_bytes: dict[int, int] = {}
+            for oid, loc in store.index.iter_objects():
+                report.objects_examined += 1
+                if oid in live or (loc.pack, loc.offset) >= start:
+                    live_bytes[loc.pack] = live_bytes.get(loc.pack, 0) + loc.length
+                else:
+                    candidates[oid] = loc
+            report.objects_live = len(live)
+            kids: dict[bytes, list[bytes]] = {}
+            if incr is not None:
+                _compare(store, incr, candidates, report)
+            elif report.fallback is not None and not dry_run:
+                store.index.uncount()  # found wrong: full marks until the index is rebuilt
+        else:
+            candidates, kids = incr.objects, incr.names
+            report.objects_examined = incr.examined
+            live_bytes = store.index.pack_bytes()
+            for loc in candidates.values():
+                live_bytes[loc.pack] = live_bytes.get(loc.pack, 0) - loc.length
+            report.objects_live = store.index.count_objects() - len(candidates)
         report.objects_unreachable = len(candidates)
         since = {} if dry_run else store.index.mark_dead(candidates, time.time_ns())
         cutoff = time.time_ns() - int(min_age * 1e9)
@@ -469,7 +517,13 @@ def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report
         expired = [o for o in doomed if candidates[o].kind == SNAPSHOT]
         report.snapshots_expired = len(expired)
         if not dry_run and doomed:
-            store.forget(doomed, expired)
+            gone: dict[bytes, tuple[Loc, list[bytes]]] = {}
+            for o in doomed:
+                names = kids.get(o) if o in kids else _names(store, candidates[o], o, counted)
+                if names is None:  # unreadable: what it names cannot be let go exactly
+                    store.index.uncount()
+                gone[o] = (candidates[o], names or [])
+            store.forget(gone, expired)
     # Unreachable but not old enough yet: still indexed, so their packs stay whole.
     waiting: dict[int, int] = {}
     for oid in set(candidates) - set(doomed):
@@ -576,12 +630,12 @@ def _compact(store: Collectable, journal: Journal, packs: PackStore,
     """Copy the live objects of packs `numbers` forward; the copies take over in the index.
 
     Frames are copied as they are (their checksums do not cover the pack's marker).
-    The old packs stay until a later pass finds them empty.
+    The old packs stay until a later pass finds them empty. Each pack's records
+    are scanned and kept where the index still points at them: the work grows
+    with the packs compacted, not with the index.
     """
     batch: list[tuple[bytes, int, bytes]] = []
-    for oid, loc in store.index.iter_objects():
-        if loc.pack not in numbers:
-            continue
+    for oid, loc in _indexed_in(store, packs, sorted(numbers)):
         frame = packs.pread(loc.pack, loc.length, loc.offset)
         if len(frame) != loc.length:
             raise NotFound(f"pack {packfmt.pack_name(loc.pack)} is shorter than its index says")
@@ -592,3 +646,117 @@ def _compact(store: Collectable, journal: Journal, packs: PackStore,
     if batch:
         journal.wait_durable(journal.copy_objects(batch))
     store.sync_index()
+
+
+def _indexed_in(store: Collectable, packs: PackStore, numbers: list[int]
+                ) -> Iterator[tuple[bytes, Loc]]:
+    """The objects of packs `numbers` whose index entry points at that very frame."""
+    for n in numbers:
+        with packs.mapped(n) as data:
+            result = packfmt.scan_buffer(data, packfmt.pack_name(n))
+        heads = [(packfmt.OBJ_HEAD.unpack_from(r.payload), r.offset)
+                 for r in result.records if r.rtype == packfmt.R_OBJECT]
+        for (_kind, oid, _n), offset in heads:
+            loc = store.index.locate(oid)
+            if loc is not None and loc.pack == n and loc.offset == offset:
+                yield oid, loc
+
+
+class _Inexact(Exception):
+    """The accounting disagrees with what the objects say: mark in full instead."""
+
+
+@dataclass
+class Unreachable:
+    objects: dict[bytes, Loc]          # unreachable, stored before the pass began
+    names: dict[bytes, list[bytes]]    # what each of them names (blocks: nothing)
+    examined: int = 0                  # index entries looked at
+
+
+def _unreachable(store: Collectable, keep: set[bytes], start: tuple[int, int]) -> Unreachable:
+    """Every indexed object stored before `start` that nothing in `keep` reaches.
+
+    Proportional to the garbage: it starts from the objects no indexed node names
+    (the `zero` table: snapshots and the tops of garbage), takes those not kept,
+    and follows their references down, taking an object once every indexed node
+    that names it is taken (its reference count equals the references dropped).
+    Objects in `keep` the index lacks yet (uploads not durable) are read, and what
+    they name is kept too. Raises `_Inexact` when a count is below what was dropped
+    or a taken node cannot be read.
+    """
+    ix = store.index
+    keep = set(keep)
+    todo_keep = [o for o in keep if not ix.contains(o)]
+    while todo_keep:  # unindexed roots: what they name is not counted, so keep it
+        oid = todo_keep.pop()
+        kind = store.object_kind(oid)
+        if kind is None or kind == BLOCK:
+            continue
+        try:
+            refs = references(kind, store.get_object(oid))
+        except (NotFound, ValueError):
+            continue
+        for _k, o in refs:
+            if o not in keep:
+                keep.add(o)
+                if not ix.contains(o):
+                    todo_keep.append(o)
+    out = Unreachable({}, {})
+    unnamed = ix.unnamed()
+    out.examined = len(unnamed)
+    frontier = [(o, loc) for o, loc in unnamed
+                if o not in keep and (loc.pack, loc.offset) < start]
+    dropped: dict[bytes, int] = {}
+    while frontier:  # in waves: each object named by a wave is looked up once
+        touched: set[bytes] = set()
+        for oid, loc in frontier:
+            if oid in out.objects:
+                continue
+            out.objects[oid] = loc
+            named = _names(store, loc, oid, True)
+            if named is None:
+                raise _Inexact(f"object {oid.hex()} cannot be read")
+            out.names[oid] = named
+            for o in named:
+                dropped[o] = dropped.get(o, 0) + 1
+                if o not in keep:
+                    touched.add(o)
+        check = [o for o in touched if o not in out.objects]
+        out.examined += len(check)
+        frontier = []
+        for o, count in zip(check, ix.ref_counts(check), strict=True):
+            if dropped[o] > count:
+                raise _Inexact(f"object {o.hex()} is named more often than counted")
+            if dropped[o] == count:
+                oloc = ix.locate(o)
+                if oloc is not None and (oloc.pack, oloc.offset) < start:
+                    frontier.append((o, oloc))
+    return out
+
+
+def _names(store: Collectable, loc: Loc, oid: bytes, counted: bool) -> list[bytes] | None:
+    """The distinct ids an object names ([] for a block or when nothing is counted)."""
+    if loc.kind == BLOCK or not counted:
+        return []
+    try:
+        return list(dict.fromkeys(o for _k, o in references(loc.kind, store.get_object(oid))))
+    except (NotFound, ValueError):
+        return None
+
+
+def _compare(store: Collectable, incr: Unreachable, full: dict[bytes, Loc],
+             report: Report) -> None:
+    """A full mark checks the accounting; one it would have let delete a live object is dropped.
+
+    The full mark may find more (an object named only by a node stored during the
+    pass, which the accounting counts): that is reported, never wrong.
+    """
+    wrong = set(incr.objects) - set(full)
+    extra = set(full) - set(incr.objects)
+    report.checked = {"incremental_unreachable": len(incr.objects),
+                      "full_unreachable": len(full),
+                      "live_in_full_mark": len(wrong), "missed_by_accounting": len(extra)}
+    if wrong and not report.dry_run:
+        store.index.uncount()
+        report.fallback = (f"the accounting took {len(wrong)} live objects for garbage: "
+                           "it is dropped, and passes mark in full until the index is rebuilt")

@@ -20,11 +20,21 @@ from typing import Any, NamedTuple, cast
 
 import lmdb
 
-INDEX_VERSION = 2  # 2: leases keep the hash of their secret id, volumes their id
+from strata.engine.objects import BLOCK as _BLOCK
+
+# 2: leases keep the hash of their secret id, volumes their id;
+# 3: reference counts, count-zero objects and indexed bytes per pack (GC accounting)
+INDEX_VERSION = 3
 LOC = struct.Struct("<IQIB")  # pack number, frame offset, frame length, object kind
 POS = struct.Struct("<IQ")    # pack number, offset
 # fencing token, expiry (ns since the epoch), hash of the lease id (zeros: none); holder follows
 LEASE = struct.Struct("<QQ16s")
+COUNT = struct.Struct("<Q")   # references to an object from indexed nodes; bytes in a pack
+PACKNO = struct.Struct(">I")  # a pack number as a key (big-endian: sorted)
+COUNTED = b"gc-counted"       # meta key: the GC accounting tables are exact (see below)
+# (object id, its Loc) -> the ids it names (engine/objects.py `references`), read from its
+# frame: the accounting tables need them when an object is first indexed. None: unreadable.
+RefsOf = Callable[[bytes, "Loc"], "list[bytes] | None"]
 
 
 class Loc(NamedTuple):
@@ -51,7 +61,7 @@ class Index:
     def __init__(self, path: str) -> None:
         self.path = path
         os.makedirs(path, mode=0o700, exist_ok=True)
-        self.env = lmdb.open(path, max_dbs=12, map_size=1 << 40, subdir=True, mode=0o600,
+        self.env = lmdb.open(path, max_dbs=16, map_size=1 << 40, subdir=True, mode=0o600,
                              metasync=False, sync=True, readahead=False, max_readers=512)
         self.objects = self.env.open_db(b"objects")
         self.refs = self.env.open_db(b"refs")
@@ -64,6 +74,12 @@ class Index:
         self.expired = self.env.open_db(b"expired")
         self.dead = self.env.open_db(b"dead")
         self.policies = self.env.open_db(b"policies")  # retention, from "policy" ops
+        # GC accounting (docs/design.md "GC accounting"), exact while meta `gc-counted`
+        # is set: how many indexed nodes name each object, the indexed objects no
+        # indexed node names, and the indexed bytes of each pack.
+        self.counts = self.env.open_db(b"counts")
+        self.zero = self.env.open_db(b"zero")
+        self.packbytes = self.env.open_db(b"packbytes")
         with self.env.begin(write=True) as txn:
             v = txn.get(b"version", db=self.meta)
             if v is None:
@@ -191,19 +207,41 @@ class Index:
     def add_objects(self, entries: Iterable[tuple[bytes, Loc]]) -> None:
         """Entries fetched from a checkpoint's index run (older than `applied`)."""
         with self.env.begin(write=True, db=self.objects) as txn:
+            txn.delete(COUNTED, db=self.meta)  # not counted: GC marks in full from now on
             for oid, loc in entries:
                 txn.put(oid, LOC.pack(*loc), overwrite=False)
 
     def apply(self, objects: list[tuple[bytes, Loc]],
-              ops: list[list[Any]], applied: tuple[int, int]) -> None:
+              ops: list[list[Any]], applied: tuple[int, int],
+              refs_of: RefsOf | None = None) -> None:
         """Write a batch of replayed records and the position they reach, atomically.
 
         A later record of an object wins: compaction copies live objects forward
         and the copy must be the one found, also when the log is replayed.
+        The GC accounting changes in the same transaction; without `refs_of` it
+        cannot, and is marked inexact (GC then marks in full).
         """
         with self.env.begin(write=True) as txn:
+            if objects and refs_of is None:
+                txn.delete(COUNTED, db=self.meta)
+            delta: dict[int, int] = {}
             for oid, loc in objects:
+                old = txn.get(oid, db=self.objects)
                 txn.put(oid, LOC.pack(*loc), db=self.objects)
+                delta[loc.pack] = delta.get(loc.pack, 0) + loc.length
+                if old is not None:  # a copy (or a second upload) takes over: counted once
+                    was = _loc(LOC.unpack(old))
+                    delta[was.pack] = delta.get(was.pack, 0) - was.length
+                    continue
+                if txn.get(oid, db=self.counts) is None:
+                    txn.put(oid, b"", db=self.zero)
+                if refs_of is not None and loc.kind != _BLOCK:
+                    kids = refs_of(oid, loc)
+                    if kids is None:  # what it names is unknown: nothing can be trusted
+                        txn.delete(COUNTED, db=self.meta)
+                    for kid in dict.fromkeys(kids or ()):
+                        self._add_count(txn, kid, 1)
+            self._add_packbytes(txn, delta)
             for op in ops:
                 apply_op_lmdb(txn, op, self)
             txn.put(b"applied", POS.pack(*applied), db=self.meta)
@@ -225,11 +263,20 @@ class Index:
         with self.env.begin(db=self.expired) as txn:
             return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
 
-    def note_expired(self, items: Iterable[tuple[bytes, bytes]]) -> None:
+    def note_expired(self, items: Iterable[tuple[bytes, bytes]],
+                     refs_of: RefsOf | None = None) -> None:
         with self.env.begin(write=True, db=self.expired) as txn:
+            gone: dict[bytes, tuple[Loc, list[bytes]]] = {}
             for k, v in items:
                 txn.put(k, v)
-                txn.delete(k, db=self.objects)  # its bytes may linger in a pack: still gone
+                old = txn.get(k, db=self.objects)
+                if old is not None:  # its bytes may linger in a pack: still gone
+                    loc = _loc(LOC.unpack(old))
+                    kids = refs_of(k, loc) if refs_of is not None else None
+                    if kids is None:
+                        txn.delete(COUNTED, db=self.meta)
+                    gone[k] = (loc, kids or [])
+            self._forget_locked(txn, gone)
 
     def expired_with_prefix(self, prefix: str, limit: int = 2) -> list[str]:
         """Expired snapshot ids starting with the hex `prefix` (at most `limit`)."""
@@ -268,6 +315,95 @@ class Index:
                 txn.put(oid, stamp)
                 out[oid] = now_ns
         return out
+
+    # -- GC accounting (docs/design.md "GC accounting") ----------------------------------
+
+    def counted(self) -> bool:
+        """Whether the accounting tables are exact (set by a replay from the first pack)."""
+        with self.env.begin(db=self.meta) as txn:
+            return txn.get(COUNTED) is not None
+
+    def set_counted(self) -> None:
+        with self.env.begin(write=True, db=self.meta) as txn:
+            txn.put(COUNTED, b"1")
+
+    def uncount(self) -> None:
+        """The accounting was found wrong: GC marks in full until the index is rebuilt."""
+        with self.env.begin(write=True, db=self.meta) as txn:
+            txn.delete(COUNTED)
+
+    def ref_counts(self, oids: Iterable[bytes]) -> list[int]:
+        """How many indexed tree, file and snapshot nodes name each object."""
+        with self.env.begin(db=self.counts) as txn:
+            return [0 if (v := txn.get(o)) is None else COUNT.unpack(v)[0] for o in oids]
+
+    def unnamed(self) -> list[tuple[bytes, Loc]]:
+        """Indexed objects no indexed node names: snapshots, and the tops of garbage."""
+        out: list[tuple[bytes, Loc]] = []
+        with self.env.begin() as txn:
+            for k in txn.cursor(db=self.zero).iternext(values=False):
+                v = txn.get(k, db=self.objects)
+                if v is not None:
+                    out.append((bytes(k), _loc(LOC.unpack(v))))
+        return out
+
+    def pack_bytes(self) -> dict[int, int]:
+        """Indexed bytes per pack (frames of objects the index points into it)."""
+        with self.env.begin(db=self.packbytes) as txn:
+            return {PACKNO.unpack(k)[0]: COUNT.unpack(v)[0] for k, v in txn.cursor()}
+
+    def forget_counted(self, gone: dict[bytes, tuple[Loc, list[bytes]]],
+                       expired: Iterable[bytes] = ()) -> None:
+        """Drop dead objects (with the ids each names) and note expired snapshots, atomically.
+
+        The objects they name lose one reference each in the same transaction.
+        """
+        stamp = struct.pack("<Q", time.time_ns())
+        with self.env.begin(write=True) as txn:
+            self._forget_locked(txn, gone)
+            for sid in expired:
+                txn.put(sid, stamp, db=self.expired)
+
+    def _forget_locked(self, txn: lmdb.Transaction,
+                       gone: dict[bytes, tuple[Loc, list[bytes]]]) -> None:
+        delta: dict[int, int] = {}
+        for oid, (loc, kids) in gone.items():
+            if not txn.delete(oid, db=self.objects):
+                continue
+            txn.delete(oid, db=self.dead)
+            txn.delete(oid, db=self.zero)
+            delta[loc.pack] = delta.get(loc.pack, 0) - loc.length
+            for kid in dict.fromkeys(kids):
+                self._add_count(txn, kid, -1)
+        self._add_packbytes(txn, delta)
+
+    def _add_count(self, txn: lmdb.Transaction, oid: bytes, by: int) -> None:
+        v = txn.get(oid, db=self.counts)
+        n = (COUNT.unpack(v)[0] if v is not None else 0) + by
+        if n < 0:  # a reference dropped twice: the tables are wrong, never trust them
+            txn.delete(COUNTED, db=self.meta)
+            n = 0
+        if n:
+            txn.put(oid, COUNT.pack(n), db=self.counts)
+            txn.delete(oid, db=self.zero)
+        else:
+            txn.delete(oid, db=self.counts)
+            if txn.get(oid, db=self.objects) is not None:
+                txn.put(oid, b"", db=self.zero)
+
+    def _add_packbytes(self, txn: lmdb.Transaction, delta: dict[int, int]) -> None:
+        for pack, by in delta.items():
+            if not by:
+                continue
+            key = PACKNO.pack(pack)
+            v = txn.get(key, db=self.packbytes)
+            n = (COUNT.unpack(v)[0] if v is not None else 0) + by
+            if n > 0:
+                txn.put(key, COUNT.pack(n), db=self.packbytes)
+            else:
+                txn.delete(key, db=self.packbytes)
+                if n < 0:
+                    txn.delete(COUNTED, db=self.meta)
 
     def get_meta(self, key: bytes) -> bytes | None:
         with self.env.begin(db=self.meta) as txn:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from strata.engine.errors import StrataError
-from strata.engine.index import Index, Loc
+from strata.engine.index import Index, Loc, RefsOf
 from strata.engine.reach import Reach
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ class Indexer:
         self._durable = durable  # how far the journal is durable
         self._report = report    # the store's recovery report, where errors go
         self.recent: dict[bytes, Loc] = {}
+        # What a newly indexed node names (recovery.frame_refs): the GC accounting needs it.
+        self.refs_of: RefsOf | None = None
         # Where objects the index lacks may be (a restored store's lazily read index).
         self.fallback: Callable[[bytes], tuple[Loc | None, list[tuple[bytes, Loc]]]] | None \
             = None
@@ -116,7 +118,7 @@ class Indexer:
         if reached is None:
             return
         try:
-            self.index.apply(objs, ops, reached)
+            self.index.apply(objs, ops, reached, self.refs_of)
         except BaseException:
             # Put the batch back, in order, for the next flush: dropped, a later
             # batch would mark the index applied past records it never got.

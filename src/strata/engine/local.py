@@ -50,7 +50,7 @@ from strata.engine.errors import (
     no_object,
 )
 from strata.engine.fsck import fsck
-from strata.engine.index import Index
+from strata.engine.index import Index, Loc
 from strata.engine.indexer import Indexer
 from strata.engine.interface import ChangeSet, Lease, SnapshotInfo, Store
 from strata.engine.journal import MAX_OBJECT, Journal, Pos
@@ -83,7 +83,7 @@ from strata.engine.packstore import LocalPacks, PackStore
 if TYPE_CHECKING:
     from strata.engine.tier import TieredPacks
 from strata.engine.reach import volume_key
-from strata.engine.recovery import open_index, rebuild_index
+from strata.engine.recovery import frame_refs, open_index, rebuild_index
 from strata.engine.refs import (
     CasMismatch,
     Refs,
@@ -175,6 +175,7 @@ class LocalStore(Store):
             self.pins = gcmod.Pins(self.path)
             index = open_index(self.index_dir, self._packs, self.recovery)
             self._indexer = Indexer(index, lambda: self._journal.durable, self.recovery)
+            self._indexer.refs_of = frame_refs(self._packs)
             if self._tier is not None:  # a restored store's index comes lazily
                 self._indexer.fallback = self._tier.locate
             self._refs = Refs(index)
@@ -903,11 +904,14 @@ class LocalStore(Store):
     # -- garbage collection (engine/gc.py) ---------------------------------------------
 
     def gc(self, *, min_age: float = gcmod.DEFAULT_MIN_AGE, dry_run: bool = False,
-           progress: gcmod.GcProgress | None = None) -> dict[str, Any]:
-        """One garbage collection pass; returns what it found and freed."""
+           progress: gcmod.GcProgress | None = None, full: bool = False) -> dict[str, Any]:
+        """One garbage collection pass; returns what it found and freed.
+
+        `full` marks from every retained snapshot and checks the accounting.
+        """
         self._check_open()
         return gcmod.collect(self, self._journal, self._packs, min_age=min_age, dry_run=dry_run,
-                             progress=progress)
+                             progress=progress, full=full)
 
     def gc_blocked(self) -> str | None:
         """Why GC cannot run now, if it cannot."""
@@ -919,9 +923,12 @@ class LocalStore(Store):
     def opened_for(self) -> float:
         return time.monotonic() - self._opened
 
-    def forget(self, oids: list[bytes], expired: list[bytes]) -> None:
-        """Drop collected objects from the index (callers hold the gate alone)."""
-        self.index.forget_objects(oids, expired)
+    def forget(self, gone: dict[bytes, tuple[Loc, list[bytes]]], expired: list[bytes]) -> None:
+        """Drop collected objects (with what each names) from the index.
+
+        Callers hold the gate alone.
+        """
+        self.index.forget_counted(gone, expired)
         self.node_cache.clear()
         self._snap_cache.clear()
 

@@ -14,10 +14,11 @@ from functools import partial
 from typing import Any
 
 from strata.engine import pack as packfmt
-from strata.engine.index import Index, Loc
+from strata.engine.errors import Corrupt
+from strata.engine.index import Index, Loc, RefsOf
 from strata.engine.indexer import Indexer
 from strata.engine.journal import Journal
-from strata.engine.objects import unpackb
+from strata.engine.objects import references, unpackb
 from strata.engine.packstore import PackStore
 
 Pos = tuple[int, int]
@@ -33,8 +34,24 @@ def open_index(path: str, packs: PackStore, report: dict[str, Any]) -> Index:
         index = Index(path)
         start = None
         report["index_rebuilt"] = True
+    if start is None:  # every record goes through the accounting (a failure clears it)
+        index.set_counted()
     replay(packs, index, start, report)
     return index
+
+
+def frame_refs(packs: PackStore) -> RefsOf:
+    """What an indexed object names, read from its frame (the GC accounting's input)."""
+    def refs_of(oid: bytes, loc: Loc) -> list[bytes] | None:
+        name = packfmt.pack_name(loc.pack)
+        try:
+            kind, _oid, raw = packfmt.decode_object(
+                packs.pread(loc.pack, loc.length, loc.offset), packs.info(loc.pack).sync,
+                name, loc.offset)
+            return [o for _k, o in references(kind, raw)]
+        except (Corrupt, ValueError):  # fsck names it; what it names is unknown
+            return None
+    return refs_of
 
 
 def replay(packs: PackStore, index: Index, start: Pos | None, report: dict[str, Any], *,
@@ -46,6 +63,7 @@ def replay(packs: PackStore, index: Index, start: Pos | None, report: dict[str, 
     reads; a torn tail it meets is reported, never cut.
     """
     numbers = packs.numbers()
+    refs_of = frame_refs(packs)
     for number in numbers:
         if start is not None and number < start[0]:
             continue
@@ -89,7 +107,7 @@ def replay(packs: PackStore, index: Index, start: Pos | None, report: dict[str, 
                     report["damaged"].append(
                         {"pack": name, "offset": rec.offset, "reason": "bad commit payload"})
         report["replayed"] += len(result.records)
-        index.apply(objs, ops, (number, result.end))
+        index.apply(objs, ops, (number, result.end), refs_of)
 
 
 def rebuild_index(path: str, packs: PackStore, report: dict[str, Any], journal: Journal,
@@ -104,9 +122,10 @@ def rebuild_index(path: str, packs: PackStore, report: dict[str, Any], journal: 
             tmp = path + ".rebuild"
             Index.destroy(tmp)
             fresh = Index(tmp)
+            fresh.set_counted()  # every record goes through the accounting
             replay(packs, fresh, None, report, repair=False)
             # Which snapshots garbage collection expired is not in the packs: keep it.
-            fresh.note_expired(indexer.index.expired_items())
+            fresh.note_expired(indexer.index.expired_items(), frame_refs(packs))
             fresh.close()
             indexer.index.close()  # readers racing this admin call may see an error
             Index.destroy(path)

@@ -709,7 +709,8 @@ async def gc(request: web.Request) -> web.Response:
     body = await read_json(request) if request.can_read_body else {}
     min_age = body_field(body, "min_age", (int, float), optional=True)
     dry = body_field(body, "dry_run", bool, optional=True)
-    kw: dict[str, Any] = {"dry_run": bool(dry)}
+    full = body_field(body, "full", bool, optional=True)
+    kw: dict[str, Any] = {"dry_run": bool(dry), "full": bool(full)}
     if min_age is not None:
         kw["min_age"] = float(min_age)
     report = await state.run(lambda: store.gc(**kw))

@@ -6,6 +6,7 @@ import os
 import random
 from pathlib import Path
 
+import blake3
 import msgpack
 import pytest
 
@@ -14,10 +15,15 @@ from strata.engine.checkpoint import (
     BLOCK_ENTRIES,
     CHECKPOINT_MAGIC,
     Checkpoint,
+    Part,
+    PartReader,
     RunReader,
+    encode_part,
     encode_run,
+    merged,
 )
 from strata.engine.errors import Corrupt
+from strata.engine.index import Loc
 
 
 def _entries(n: int) -> list[tuple[bytes, tuple[int, int, int, int]]]:
@@ -26,30 +32,74 @@ def _entries(n: int) -> list[tuple[bytes, tuple[int, int, int, int]]]:
 
 
 def test_a_checkpoint_round_trips_and_refuses_damage() -> None:
-    entries = _entries(3000)
-    _run, fences, count = encode_run(entries)
+    parts = [Part("runs/a-2-0", 2, 0, 3, b"\x01" * 32, b"\x01" * 32),
+             Part("runs/b-1-0", 1, 1, 5000, b"\x00" * 32, b"", 4096, b"h" * 32)]
     cp = Checkpoint(store_id=os.urandom(16), epoch=7, applied=(3, 4096),
                     volumes={"v": "ab" * 16, "w": ""},
                     refs={("v", "live"): "cd" * 32, ("v", "a/b"): "ef" * 32},
                     leases=[["v", "live", 3, 10**18, "host", b"k" * 16]],
-                    packs={1: ("packs/00000001-aa.pack", 900), 2: ("packs/00000002-bb.pack", 77)},
-                    log_from=12, block_size=65536,
-                    run="runs/x", fences=fences, entries=count, expired=[b"x" * 32],
-                    policies=[[b"v\0", b'{"keep_last": 2}']])
+                    packs={}, log_from=12, block_size=65536, parts=parts,
+                    policies=[[b"v\0", b'{"keep_last": 2}']],
+                    tables={"packs": ("tables/x-packs", b"p" * 32),
+                            "expired": ("tables/x-expired", b"e" * 32)})
     data = cp.encode()
-    assert Checkpoint.decode("checkpoints/x", data) == cp
-    # A version 2 checkpoint (before policies were journaled) reads as having none.
+    back = Checkpoint.decode("checkpoints/x", data)
+    assert (back.parts, back.tables, back.refs, back.policies, back.name) == (
+        parts, cp.tables, cp.refs, cp.policies, "checkpoints/x")
     body = msgpack.unpackb(data[37:])
-    del body["policies"]
-    body["v"] = 2
-    old = frame_record(CHECKPOINT_MAGIC, 2, body)
-    assert Checkpoint.decode("checkpoints/old", old).policies == []
-    with pytest.raises(Corrupt, match="checkpoint version 4 .*upgrade"):
-        Checkpoint.decode("checkpoints/new", frame_record(CHECKPOINT_MAGIC, 4, body))
-    assert len(fences) == -(-3000 // BLOCK_ENTRIES)
+    with pytest.raises(Corrupt, match="checkpoint version 5 .*upgrade"):
+        Checkpoint.decode("checkpoints/new", frame_record(CHECKPOINT_MAGIC, 5, body))
     for bad in (data[:-1], b"STRC\x09" + data[5:], data[:40] + bytes([data[40] ^ 1]) + data[41:]):
         with pytest.raises(Corrupt, match="checkpoints/x"):
             Checkpoint.decode("checkpoints/x", bad)
+    body["parts"][0][3] = 0  # a part of no entries
+    with pytest.raises(Corrupt, match="described wrongly"):
+        Checkpoint.decode("checkpoints/y", frame_record(CHECKPOINT_MAGIC, 4, body))
+
+
+def test_a_version_3_checkpoint_reads_as_one_run() -> None:
+    """Checkpoints before runs: the whole index in one run, fences and tables inline."""
+    entries = _entries(3000)
+    _run, fences, count = encode_run(entries)
+    body = {"v": 3, "store_id": os.urandom(16), "epoch": 7, "applied": [3, 4096],
+            "volumes": {"v": ""}, "refs": [["v", "live", b"\xcd" * 32]], "leases": [],
+            "packs": [[1, "packs/00000001-aa.pack", 900]], "log_from": 12,
+            "block_size": 65536, "run": "runs/x", "fences": b"".join(fences),
+            "entries": count, "expired": b"x" * 32, "policies": []}
+    cp = Checkpoint.decode("checkpoints/old", frame_record(CHECKPOINT_MAGIC, 3, body))
+    assert cp.packs == {1: ("packs/00000001-aa.pack", 900)} and cp.expired == [b"x" * 32]
+    (part,) = cp.parts
+    assert (part.name, part.entries, part.version, len(part.fences)) == (
+        "runs/x", 3000, 1, 32 * len(fences))
+    del body["policies"]
+    body["v"] = 2  # before policies were journaled: none
+    assert Checkpoint.decode("checkpoints/v2", frame_record(CHECKPOINT_MAGIC, 2, body)
+                             ).policies == []
+
+
+def test_parts_keep_tombstones_and_runs_merge_newest_first(tmp_path: Path) -> None:
+    bucket = Bucket(f"file://{tmp_path}/b")
+    old = _entries(3 * BLOCK_ENTRIES + 5)
+    gone = {oid for oid, _l in old[::7]}
+    moved = {oid: Loc(99, 1, 2, 3) for oid, _l in old[1::5] if oid not in gone}
+    newer = sorted([(oid, None) for oid in gone] + list(moved.items()))
+    readers = []
+    for name, entries in (("runs/new", newer), ("runs/old", old)):
+        data, fences, at = encode_part(entries)  # type: ignore[arg-type]
+        bucket.put(name, data)
+        part = Part(name, 1, 0, len(entries), entries[0][0], b"", at,
+                    blake3.blake3(fences).digest())
+        readers.append(PartReader(part, lambda s, e, n=name: bucket.get_range(n, s, e)))
+    got = dict(merged([[readers[0]], [readers[1]]]))
+    want = {oid: (None if oid in gone else moved.get(oid, loc)) for oid, loc in old}
+    assert got == want
+    assert readers[0].lookup(next(iter(gone)))[:2] == (True, None)  # a tombstone
+    assert readers[1].lookup(os.urandom(32))[0] is False
+    data, fences, at = encode_part(old)  # type: ignore[arg-type]
+    bucket.put("runs/bad", data)
+    bad = Part("runs/bad", 1, 0, len(old), old[0][0], b"", at, b"\0" * 32)
+    with pytest.raises(Corrupt, match="fence table"):
+        PartReader(bad, lambda s, e: bucket.get_range("runs/bad", s, e)).lookup(old[0][0])
 
 
 @pytest.mark.parametrize("n", [1, BLOCK_ENTRIES, 5 * BLOCK_ENTRIES + 17])

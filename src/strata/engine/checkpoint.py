@@ -3,23 +3,34 @@
 A checkpoint names a journal position P: every record before P is in sealed
 packs that are in the bucket, and its tables hold what replaying them gives
 (refs, volumes, leases, and the object index). The object index can be
-large, so it is not in the checkpoint object itself but in an index run: a
-sorted table of (object id, location) cut into fixed blocks, with the first
-id of each block (the fences) kept in the checkpoint. A restore downloads
-the checkpoint alone; a lookup bisects the fences and fetches one block
-with a ranged GET. The fences cost 32 bytes per 1,024 objects, so a store
-ten times larger restores in about the same time.
+large, so it is not in the checkpoint object itself but in index runs: sorted
+tables of (object id, location) cut into fixed blocks, each block verified
+alone. A lookup bisects a run's fences (the first id of each block) and
+fetches one block with a ranged GET.
+
+Since checkpoint version 4 the index is an LSM of runs (the checkpoint's
+`parts` are its manifest). Each checkpoint adds a small run of what changed
+since the one before: objects indexed, moved or dropped (a tombstone). Runs
+are merged in the background, tiered: when `FANOUT` runs share a level they
+become one run of the next level, so an entry is rewritten about once per
+level, log_FANOUT(objects / change) times in all. A run is cut into parts of
+at most `PART_ENTRIES` entries, so a merge holds one part in memory, not a
+run. The packs table and the expired snapshots are objects of their own,
+written only when they change. So the bytes a checkpoint writes grow with the
+change, not with the store.
 
 Formats (docs/format.md, "The bucket"): a checkpoint is a record framed as
-the log's are ("STRC" magic); an index run is "STRI", a version byte, then
-blocks of `BLOCK_ENTRIES` entries of 49 bytes (id, then the LMDB location
-layout `<IQIB`), each block followed by its BLAKE3-256 (so a ranged GET of
-one block is verified alone).
+the log's are ("STRC" magic); a part is "STRI", a version byte, then blocks
+of `BLOCK_ENTRIES` entries of 49 bytes (id, then the LMDB location layout
+`<IQIB`; kind 0 is a tombstone), each block followed by its BLAKE3-256, and
+(version 2) the fence table with its own BLAKE3-256; a table object is
+"STRT".
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -32,14 +43,61 @@ from strata.engine.errors import Corrupt
 from strata.engine.index import Loc
 
 CHECKPOINT_MAGIC = b"STRC"
-CHECKPOINT_VERSION = 3           # 3: `policies`; 2: `expired`, the snapshots GC removed
-CHECKPOINT_VERSIONS = (1, 2, 3)  # what this strata reads
+CHECKPOINT_VERSION = 4  # 4: runs (the manifest), tables apart; 3: `policies`; 2: `expired`
+CHECKPOINT_VERSIONS = (1, 2, 3, 4)  # what this strata reads
 RUN_MAGIC = b"STRI"
-RUN_VERSION = 1
+RUN_VERSION = 2          # 2: tombstones, and the fence table at the end
+RUN_VERSIONS = (1, 2)
 RUN_HEAD = 5
+TABLE_MAGIC = b"STRT"
+TABLE_VERSION = 1
 ENTRY = struct.Struct("<32sIQIB")  # id, pack number, frame offset, frame length, kind
 BLOCK_ENTRIES = 1024
 BLOCK_BYTES = BLOCK_ENTRIES * ENTRY.size + 32  # a full block and its hash
+TOMBSTONE = 0            # an entry's kind: the object left the index
+PART_ENTRIES = 256 * BLOCK_ENTRIES  # a part's most entries: 12.6 MB, what a merge holds
+INLINE_FENCES = 16       # parts with at most this many blocks carry their fences inline
+FANOUT = 8               # runs of one level merged into one of the next
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One object of an index run, as the checkpoint names it.
+
+    Parts of one run (`run`) hold disjoint, ascending id ranges; a run's
+    parts are listed in id order, and runs newest first, so the first run
+    that has an id decides where it is (or, with a tombstone, that it is gone).
+    """
+
+    name: str
+    run: int                  # run id, unique in the store's history of checkpoints
+    level: int                # 0 for a checkpoint's own changes; a merge adds one
+    entries: int
+    first: bytes              # the part's first id
+    fences: bytes = b""       # its fences, when it has at most INLINE_FENCES blocks
+    fences_at: int = 0        # else: where the fence table starts in the object
+    fences_hash: bytes = b""  # and that table's BLAKE3-256
+    version: int = RUN_VERSION
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.entries // BLOCK_ENTRIES)
+
+    def to_list(self) -> list[Any]:
+        return [self.name, self.run, self.level, self.entries, self.first, self.fences,
+                self.fences_at, self.fences_hash, self.version]
+
+    @classmethod
+    def from_list(cls, raw: list[Any]) -> Part:
+        name, run, level, entries, first, fences, at, digest, version = raw
+        part = cls(str(name), int(run), int(level), int(entries), bytes(first), bytes(fences),
+                   int(at), bytes(digest), int(version))
+        if (part.version not in RUN_VERSIONS or len(part.first) != 32 or part.entries <= 0
+                or len(part.fences) % 32 or part.level < 0
+                or (not part.fences and len(part.fences_hash) != 32)
+                or (part.fences and len(part.fences) != 32 * part.blocks)):
+            raise ValueError(f"index part {part.name!r} is described wrongly")
+        return part
 
 
 @dataclass(slots=True)
@@ -55,50 +113,106 @@ class Checkpoint:
     packs: dict[int, tuple[str, int]]            # sealed pack -> (bucket name, size)
     log_from: int = 0                            # first log record holding other packs' bytes
     block_size: int = 0
-    run: str = ""                                # bucket name of the index run
-    fences: list[bytes] = field(default_factory=list)
-    entries: int = 0
+    parts: list[Part] = field(default_factory=list)  # the object index: runs, newest first
     expired: list[bytes] = field(default_factory=list)  # snapshot ids GC removed
     policies: list[list[bytes]] = field(default_factory=list)  # the policies table's rows
+    # Version 4: the packs table and the expired snapshots are objects of their own
+    # (name, BLAKE3-256), shared by checkpoints until they change; `load_tables` reads them.
+    tables: dict[str, tuple[str, bytes]] = field(default_factory=dict)
+    name: str = ""                               # its bucket name (not encoded)
+    version: int = CHECKPOINT_VERSION            # what it was read as
+    raw: bytes = b""                             # the bytes it was read from
 
     def encode(self) -> bytes:
+        if set(self.tables) != {"packs", "expired"}:
+            raise ValueError("a checkpoint names its packs and expired tables")
         return frame_record(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, {
             "v": CHECKPOINT_VERSION, "store_id": self.store_id, "epoch": self.epoch,
             "applied": list(self.applied), "volumes": self.volumes,
             "refs": [[v, b, bytes.fromhex(s)] for (v, b), s in sorted(self.refs.items())],
-            "leases": self.leases,
-            "packs": [[n, name, size] for n, (name, size) in sorted(self.packs.items())],
-            "log_from": self.log_from, "block_size": self.block_size,
-            "run": self.run, "fences": b"".join(self.fences), "entries": self.entries,
-            "expired": b"".join(self.expired), "policies": self.policies})
+            "leases": self.leases, "log_from": self.log_from, "block_size": self.block_size,
+            "parts": [p.to_list() for p in self.parts], "policies": self.policies,
+            "tables": {k: [n, h] for k, (n, h) in sorted(self.tables.items())}})
 
     @classmethod
     def decode(cls, name: str, data: bytes) -> Checkpoint:
         b = open_record(name, data, CHECKPOINT_MAGIC, CHECKPOINT_VERSIONS, "checkpoint")
+        version = data[4]
         try:
-            fences = bytes(b["fences"])
-            expired = bytes(b.get("expired", b""))
-            if len(fences) % 32 or len(expired) % 32:
-                raise ValueError("fences or expired are not 32-byte ids")
-            return cls(
+            cp = cls(
                 store_id=bytes(b["store_id"]), epoch=int(b["epoch"]),
                 applied=(int(b["applied"][0]), int(b["applied"][1])),
                 volumes={str(k): str(v) for k, v in b["volumes"].items()},
                 refs={(str(v), str(br)): bytes(s).hex() for v, br, s in b["refs"]},
-                leases=list(b["leases"]),
-                packs={int(n): (str(p), int(z)) for n, p, z in b["packs"]},
+                leases=list(b["leases"]), packs={},
                 log_from=int(b["log_from"]), block_size=int(b["block_size"]),
-                run=str(b["run"]), entries=int(b["entries"]),
-                fences=[fences[i:i + 32] for i in range(0, len(fences), 32)],
-                expired=[expired[i:i + 32] for i in range(0, len(expired), 32)],
-                policies=[[bytes(k), bytes(v)] for k, v in b.get("policies", [])])
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
+                policies=[[bytes(k), bytes(v)] for k, v in b.get("policies", [])],
+                name=name, version=version, raw=data)
+            if version >= 4:
+                cp.parts = [Part.from_list(list(p)) for p in b["parts"]]
+                cp.tables = {str(k): (str(v[0]), bytes(v[1])) for k, v in b["tables"].items()}
+                if set(cp.tables) != {"packs", "expired"}:
+                    raise ValueError("tables are not packs and expired")
+                return cp
+            cp.packs = _packs_of(b["packs"])
+            cp.expired = _ids(bytes(b.get("expired", b"")))
+            fences = bytes(b["fences"])
+            if len(fences) % 32:
+                raise ValueError("fences are not 32-byte ids")
+            entries = int(b["entries"])
+            if b["run"] and entries:  # the whole index as one run (version 1 parts)
+                cp.parts = [Part(str(b["run"]), 0, 0, entries, fences[:32], fences,
+                                 version=1)]
+                if -(-entries // BLOCK_ENTRIES) * 32 != len(fences):
+                    raise ValueError("fences do not match the entries")
+            return cp
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise Corrupt(name, 0, f"checkpoint fields are malformed: {exc}") from None
+
+    def load_tables(self, get: Callable[[str], bytes]) -> None:
+        """Read a version 4 checkpoint's packs and expired tables (`get`: a bucket GET)."""
+        if self.version < 4:
+            return
+        self.packs = _packs_of(read_table(self.tables["packs"], "packs", get))
+        self.expired = _ids(bytes(read_table(self.tables["expired"], "expired", get)))
+
+
+def _packs_of(rows: Any) -> dict[int, tuple[str, int]]:
+    return {int(n): (str(p), int(z)) for n, p, z in rows}
+
+
+def _ids(raw: bytes) -> list[bytes]:
+    if len(raw) % 32:
+        raise ValueError("ids are not 32 bytes each")
+    return [raw[i:i + 32] for i in range(0, len(raw), 32)]
+
+
+def encode_table(kind: str, rows: Any) -> bytes:
+    """A table object: the packs table (rows) or the expired snapshots (joined ids)."""
+    return frame_record(TABLE_MAGIC, TABLE_VERSION, {"kind": kind, "rows": rows})
+
+
+def packs_rows(packs: dict[int, tuple[str, int]]) -> list[list[Any]]:
+    return [[n, name, size] for n, (name, size) in sorted(packs.items())]
+
+
+def read_table(ref: tuple[str, bytes], kind: str, get: Callable[[str], bytes]) -> Any:
+    name, digest = ref
+    data = get(name)
+    if blake3.blake3(data).digest() != digest:
+        raise Corrupt(name, 0, f"the {kind} table is not the one the checkpoint names")
+    body = open_record(name, data, TABLE_MAGIC, TABLE_VERSION, "checkpoint table")
+    if body.get("kind") != kind:
+        raise Corrupt(name, 0, f"the table holds {body.get('kind')!r}, not {kind}")
+    return body["rows"]
 
 
 def encode_run(entries: Iterable[tuple[bytes, Loc]]) -> tuple[bytes, list[bytes], int]:
-    """An index run from entries sorted by id: (bytes, fences, entry count)."""
-    out = bytearray(RUN_MAGIC + bytes([RUN_VERSION]))
+    """A version 1 run from entries sorted by id: (bytes, fences, entry count).
+
+    Kept for the tests of old checkpoints; strata writes version 2 parts (`encode_part`).
+    """
+    out = bytearray(RUN_MAGIC + bytes([1]))
     fences: list[bytes] = []
     block = bytearray()
     count = 0
@@ -115,29 +229,60 @@ def encode_run(entries: Iterable[tuple[bytes, Loc]]) -> tuple[bytes, list[bytes]
     return bytes(out), fences, count
 
 
-class RunReader:
-    """Lookups in an index run, one verified block per ranged read."""
+Entry = tuple[bytes, Loc | None]  # None: a tombstone
 
-    def __init__(self, name: str, fences: list[bytes], entries: int,
-                 read_range: Callable[[int, int], bytes]) -> None:
-        self.name = name
-        self.fences = fences
-        self.entries = entries
+
+def encode_part(entries: list[Entry]) -> tuple[bytes, bytes, int]:
+    """A version 2 part from entries sorted by id: (bytes, fence table, fences' offset)."""
+    out = bytearray(RUN_MAGIC + bytes([RUN_VERSION]))
+    fences = bytearray()
+    for first in range(0, len(entries), BLOCK_ENTRIES):
+        block = bytearray()
+        for oid, loc in entries[first:first + BLOCK_ENTRIES]:
+            block += ENTRY.pack(oid, *(loc if loc is not None else (0, 0, 0, TOMBSTONE)))
+        fences += entries[first][0]
+        out += block + blake3.blake3(block).digest()
+    at = len(out)
+    out += fences + blake3.blake3(fences).digest()
+    return bytes(out), bytes(fences), at
+
+
+class PartReader:
+    """Lookups in one part, one verified block per ranged read; its fences read once."""
+
+    def __init__(self, part: Part, read_range: Callable[[int, int], bytes]) -> None:
+        self.part = part
+        self.name = part.name
+        self.entries = part.entries
         self._read = read_range
+        self._fences: list[bytes] | None = (
+            [part.fences[i:i + 32] for i in range(0, len(part.fences), 32)]
+            if part.fences else None)
+
+    @property
+    def fences(self) -> list[bytes]:
+        if self._fences is None:
+            n = self.part.blocks * 32
+            raw = self._read(self.part.fences_at, self.part.fences_at + n + 32)
+            if len(raw) != n + 32 or blake3.blake3(raw[:n]).digest() != raw[n:] \
+                    or raw[n:] != self.part.fences_hash:
+                raise Corrupt(self.name, self.part.fences_at, "index fence table is damaged")
+            self._fences = [raw[i:i + 32] for i in range(0, n, 32)]
+        return self._fences
 
     def block_of(self, oid: bytes) -> int | None:
         i = bisect.bisect_right(self.fences, oid) - 1
         return i if i >= 0 else None
 
-    def read_block(self, i: int) -> list[tuple[bytes, Loc]]:
+    def read_block(self, i: int) -> list[Entry]:
         """Every entry of block `i` (a caller caches them all: neighbours come next)."""
         n = min(BLOCK_ENTRIES, self.entries - i * BLOCK_ENTRIES)
         start = RUN_HEAD + i * BLOCK_BYTES
         return self._decode_block(i, start, self._read(start, start + n * ENTRY.size + 32), n)
 
-    def read_all(self, blocks_per_read: int = 64) -> Iterator[list[tuple[bytes, Loc]]]:
+    def read_all(self, blocks_per_read: int = 64) -> Iterator[list[Entry]]:
         """Every entry, a verified block at a time, `blocks_per_read` blocks per ranged read."""
-        nblocks = -(-self.entries // BLOCK_ENTRIES)
+        nblocks = self.part.blocks
         for first in range(0, nblocks, blocks_per_read):
             last = min(first + blocks_per_read, nblocks)
             start = RUN_HEAD + first * BLOCK_BYTES
@@ -150,25 +295,66 @@ class RunReader:
                 yield self._decode_block(i, RUN_HEAD + i * BLOCK_BYTES,
                                          data[at:at + n * ENTRY.size + 32], n)
 
-    def _decode_block(self, i: int, start: int, data: bytes, n: int
-                      ) -> list[tuple[bytes, Loc]]:
+    def _decode_block(self, i: int, start: int, data: bytes, n: int) -> list[Entry]:
         body, digest = data[:-32], data[-32:]
         if len(body) != n * ENTRY.size or blake3.blake3(body).digest() != digest:
             raise Corrupt(self.name, start, f"index block {i} is damaged or short")
-        out = []
+        out: list[Entry] = []
         for k in range(n):
             oid, pack, offset, length, kind = ENTRY.unpack_from(body, k * ENTRY.size)
-            out.append((oid, Loc(pack, offset, length, kind)))
+            if kind == TOMBSTONE and self.part.version >= 2:
+                out.append((oid, None))
+            else:
+                out.append((oid, Loc(pack, offset, length, kind)))
         return out
 
-    def lookup(self, oid: bytes) -> tuple[Loc | None, list[tuple[bytes, Loc]]]:
-        """Where `oid` is (None: not in this run), and the block read to find it."""
+    def lookup(self, oid: bytes) -> tuple[bool, Loc | None, list[Entry]]:
+        """(whether this part has `oid`, its location or None for a tombstone, the block)."""
         i = self.block_of(oid)
         if i is None:
-            return None, []
+            return False, None, []
         block = self.read_block(i)
         ids = [e[0] for e in block]
         j = bisect.bisect_left(ids, oid)
         if j < len(ids) and ids[j] == oid:
-            return block[j][1], block
-        return None, block
+            return True, block[j][1], block
+        return False, None, block
+
+
+class RunReader(PartReader):
+    """A version 1 run given by its fences (the tests of old checkpoints read these)."""
+
+    def __init__(self, name: str, fences: list[bytes], entries: int,
+                 read_range: Callable[[int, int], bytes]) -> None:
+        super().__init__(Part(name, 0, 0, entries, fences[0] if fences else b"\0" * 32,
+                              b"".join(fences), version=1), read_range)
+
+    def lookup(self, oid: bytes) -> tuple[Loc | None, list[Entry]]:  # type: ignore[override]
+        _found, loc, block = super().lookup(oid)
+        return loc, block
+
+
+def runs_of(parts: list[Part]) -> list[list[Part]]:
+    """The manifest's parts grouped by run, newest run first, each run's parts by id."""
+    out: list[list[Part]] = []
+    for p in parts:
+        if out and out[-1][0].run == p.run:
+            out[-1].append(p)
+        else:
+            out.append([p])
+    return out
+
+
+def merged(runs: list[list[PartReader]]) -> Iterator[Entry]:
+    """Every id of `runs` (newest first) once, as the newest run that has it says."""
+    def stream(rank: int, readers: list[PartReader]) -> Iterator[tuple[bytes, int, Loc | None]]:
+        for r in readers:
+            for block in r.read_all():
+                for oid, loc in block:
+                    yield oid, rank, loc
+
+    last: bytes | None = None
+    for oid, _rank, loc in heapq.merge(*(stream(i, rs) for i, rs in enumerate(runs))):
+        if oid != last:  # equal ids come newest (lowest rank) first
+            last = oid
+            yield oid, loc

@@ -80,10 +80,17 @@ class Index:
         self.counts = self.env.open_db(b"counts")
         self.zero = self.env.open_db(b"zero")
         self.packbytes = self.env.open_db(b"packbytes")
+        # Objects indexed, moved or dropped since the bucket checkpoint named by meta
+        # `cp-base`: the next checkpoint's own run (engine/tiercheckpoints.py). The value
+        # is a change counter, so a checkpoint clears only what it took.
+        self.changed = self.env.open_db(b"changed")
         with self.env.begin(write=True) as txn:
             v = txn.get(b"version", db=self.meta)
             if v is None:
                 txn.put(b"version", str(INDEX_VERSION).encode(), db=self.meta)
+                # New: `changed` holds everything it indexes (an older index lacks this,
+                # and its next bucket checkpoint writes the whole index again).
+                txn.put(b"cp-base", b"", db=self.meta)
             elif int(v) != INDEX_VERSION:
                 raise ValueError(f"index version {v!r} is not {INDEX_VERSION}")
 
@@ -174,18 +181,56 @@ class Index:
         with self.env.begin() as txn:
             got = take_objects((bytes(k), _loc(LOC.unpack(v)))
                                for k, v in txn.cursor(db=self.objects))
-            v = txn.get(b"applied", db=self.meta)
-            tables = {
-                "applied": POS.unpack(v) if v is not None else (0, 0),
-                "volumes": {bytes(k).decode(): bytes(x).decode()
-                            for k, x in txn.cursor(db=self.volumes)},
-                "refs": {tuple(bytes(k).decode().split("\0", 1)): bytes(x).hex()
-                         for k, x in txn.cursor(db=self.refs)},
-                "leases": [[bytes(k), bytes(x)] for k, x in txn.cursor(db=self.leases)],
-                "expired": [bytes(k) for k, _x in txn.cursor(db=self.expired)],
-                "policies": [[bytes(k), bytes(x)] for k, x in txn.cursor(db=self.policies)],
-            }
+            tables = self._tables(txn)
         return got, tables
+
+    def _tables(self, txn: lmdb.Transaction) -> dict[str, Any]:
+        v = txn.get(b"applied", db=self.meta)
+        return {
+            "applied": POS.unpack(v) if v is not None else (0, 0),
+            "volumes": {bytes(k).decode(): bytes(x).decode()
+                        for k, x in txn.cursor(db=self.volumes)},
+            "refs": {tuple(bytes(k).decode().split("\0", 1)): bytes(x).hex()
+                     for k, x in txn.cursor(db=self.refs)},
+            "leases": [[bytes(k), bytes(x)] for k, x in txn.cursor(db=self.leases)],
+            "expired": [bytes(k) for k, _x in txn.cursor(db=self.expired)],
+            "policies": [[bytes(k), bytes(x)] for k, x in txn.cursor(db=self.policies)],
+        }
+
+    def checkpoint_view(self, take_all: Callable[[Iterator[tuple[bytes, Loc]]], Any] | None
+                        ) -> tuple[list[tuple[bytes, Loc | None, bytes]], dict[str, Any],
+                                   str | None, Any]:
+        """Every table at one instant, with what changed since meta `cp-base`.
+
+        Returns the changes (id, location or None if dropped, change counter),
+        the tables as `checkpoint_tables` gives them, `cp-base`, and what
+        `take_all` (if given) returned from consuming the whole object index.
+        """
+        with self.env.begin() as txn:
+            changes: list[tuple[bytes, Loc | None, bytes]] = []
+            for k, mark in txn.cursor(db=self.changed):
+                v = txn.get(k, db=self.objects)
+                changes.append((bytes(k), _loc(LOC.unpack(v)) if v is not None else None,
+                                bytes(mark)))
+            base = txn.get(b"cp-base", db=self.meta)
+            tables = self._tables(txn)
+            took = None if take_all is None else take_all(
+                (bytes(k), _loc(LOC.unpack(v))) for k, v in txn.cursor(db=self.objects))
+        return changes, tables, bytes(base).decode() if base is not None else None, took
+
+    def checkpoint_done(self, taken: Iterable[tuple[bytes, bytes]], base: str) -> None:
+        """Checkpoint `base` holds `taken` (id, counter): forget each unless changed since."""
+        with self.env.begin(write=True, db=self.changed) as txn:
+            for oid, mark in taken:
+                if txn.get(oid) == mark:
+                    txn.delete(oid)
+            txn.put(b"cp-base", base.encode(), db=self.meta)
+
+    def set_checkpoint_base(self, base: str) -> None:
+        """This index is the checkpoint `base` plus what `changed` holds (a restore's start)."""
+        with self.env.begin(write=True) as txn:
+            txn.drop(self.changed, delete=False)
+            txn.put(b"cp-base", base.encode(), db=self.meta)
 
     # -- the one writer -----------------------------------------------------------
 
@@ -225,9 +270,11 @@ class Index:
             if objects and refs_of is None:
                 txn.delete(COUNTED, db=self.meta)
             delta: dict[int, int] = {}
+            mark = _next_change(txn, self) if objects else b""
             for oid, loc in objects:
                 old = txn.get(oid, db=self.objects)
                 txn.put(oid, LOC.pack(*loc), db=self.objects)
+                txn.put(oid, mark, db=self.changed)
                 delta[loc.pack] = delta.get(loc.pack, 0) + loc.length
                 if old is not None:  # a copy (or a second upload) takes over: counted once
                     was = _loc(LOC.unpack(old))
@@ -253,9 +300,11 @@ class Index:
         """Drop dead objects from the index, and note expired snapshots, atomically."""
         stamp = struct.pack("<Q", time.time_ns())
         with self.env.begin(write=True) as txn:
+            mark = _next_change(txn, self)
             for oid in oids:
                 txn.delete(oid, db=self.objects)
                 txn.delete(oid, db=self.dead)
+                txn.put(oid, mark, db=self.changed)
             for sid in expired:
                 txn.put(sid, stamp, db=self.expired)
 
@@ -367,9 +416,11 @@ class Index:
     def _forget_locked(self, txn: lmdb.Transaction,
                        gone: dict[bytes, tuple[Loc, list[bytes]]]) -> None:
         delta: dict[int, int] = {}
+        mark = _next_change(txn, self) if gone else b""
         for oid, (loc, kids) in gone.items():
             if not txn.delete(oid, db=self.objects):
                 continue
+            txn.put(oid, mark, db=self.changed)  # the next bucket checkpoint's tombstone
             txn.delete(oid, db=self.dead)
             txn.delete(oid, db=self.zero)
             delta[loc.pack] = delta.get(loc.pack, 0) - loc.length
@@ -413,6 +464,17 @@ class Index:
     def put_meta(self, key: bytes, value: bytes) -> None:
         with self.env.begin(write=True, db=self.meta) as txn:
             txn.put(key, value)
+
+
+_CHANGE = struct.Struct("<Q")
+
+
+def _next_change(txn: lmdb.Transaction, ix: Index) -> bytes:
+    """A new change counter for `changed` entries this transaction writes."""
+    v = txn.get(b"change-seq", db=ix.meta)
+    mark = _CHANGE.pack((_CHANGE.unpack(v)[0] if v is not None else 0) + 1)
+    txn.put(b"change-seq", mark, db=ix.meta)
+    return mark
 
 
 def _refkey(vol: str, br: str) -> bytes:

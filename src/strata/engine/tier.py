@@ -312,10 +312,15 @@ def open_tier(store_dir: str, meta: dict[str, Any], local: LocalPacks) -> Tiered
         raise Fenced(f"the bucket at {bucket.url} already has a log, and this store "
                      "never wrote it: restore from the bucket instead")
     cp: Checkpoint | None = None
+    cp_name: str | None = None
     cp_path = os.path.join(store_dir, TIER_CHECKPOINT)
     if os.path.exists(cp_path):
         with open(cp_path, "rb") as f:
             cp = Checkpoint.decode(cp_path, f.read())
+        cp.load_tables(bucket.get)
+        # Its bucket name; a store an older strata kept did not record it, and then
+        # no index table counts from there (the next checkpoint writes it all).
+        cp_name = str(state.get("checkpoint") or "(unnamed)")
     log.claim(socket.gethostname())
     cache = meta.get("cache_size")
     hydrated = state.get("hydrated")
@@ -323,4 +328,5 @@ def open_tier(store_dir: str, meta: dict[str, Any], local: LocalPacks) -> Tiered
                        cache_size=int(cache) if cache is not None else None,
                        hydrated=str(hydrated) if hydrated else None,
                        clean=state.get("clean") is True,
-                       from_log={int(n) for n in state.get("from_log") or ()})
+                       from_log={int(n) for n in state.get("from_log") or ()},
+                       cp_name=cp_name)

@@ -15,10 +15,27 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import blake3
 
 from strata.engine import pack as packfmt
-from strata.engine.checkpoint import Checkpoint, encode_run
+from strata.engine.checkpoint import (
+    FANOUT,
+    INLINE_FENCES,
+    PART_ENTRIES,
+    Checkpoint,
+    Part,
+    PartReader,
+    encode_part,
+    encode_table,
+    merged,
+    packs_rows,
+    runs_of,
+)
 from strata.engine.errors import BucketUnavailable
+from strata.engine.index import Loc
 from strata.engine.storedir import write_durably
 from strata.engine.tierstate import TIER_CHECKPOINT, TIER_STATE, TierState
 
@@ -75,12 +92,26 @@ class Checkpoints(TierState):
                     self._uploads.popleft()
 
     def checkpoint(self) -> str:
-        """Write a checkpoint of the index as it is now; returns its bucket name."""
+        """Write a checkpoint of the index as it is now; returns its bucket name.
+
+        Its runs are the last checkpoint's plus one of what changed since (or,
+        when this index cannot tell what changed, one run of everything), merged
+        as `_merge` decides. Parts, tables and checkpoints that no longer count
+        are deleted once this checkpoint is in the log.
+        """
         assert self._index is not None
-        # A checkpoint's run must hold every object: first the inherited run, whole.
-        while self._hydrate_some():
-            pass
-        (run, fences, entries), tables = self._index.checkpoint_tables(encode_run)
+        stamp = f"{self.log.epoch}-{self.log.next}-{os.urandom(4).hex()}"
+        base = self._index.get_meta(b"cp-base")
+        full = base is None or base.decode() != (self._cp_name or "")
+        if full:  # a run of everything replaces every run: the inherited one is read first
+            while self._hydrate_some():
+                pass
+        written: list[Part] = []
+
+        def take_all(entries: Iterator[tuple[bytes, Loc]]) -> None:
+            written.extend(self._write_run(((k, v) for k, v in entries), 0, stamp))
+
+        changes, tables, _base, _took = self._index.checkpoint_view(take_all if full else None)
         # Everything up to `applied` was written before this point: ship it first.
         self.ship()
         with self._lock:
@@ -89,16 +120,23 @@ class Checkpoints(TierState):
             self._changed = False
             self._cp_taken += 1  # this checkpoint's view of the packs, numbered
             taken = self._cp_taken
+        old = list(self._manifest)
+        if full:
+            parts = written
+        else:
+            parts = self._write_run(((oid, loc) for oid, loc, _m in changes), 0, stamp) + old
+        if self.index_complete():
+            parts = self._merge(parts, stamp)
         log_from = min(unsent) if unsent else (self.log.next or 0)
-        stamp = f"{self.log.epoch}-{self.log.next}-{os.urandom(4).hex()}"
-        run_name = f"runs/{stamp}"
-        self.bucket.put_new(run_name, run)
+        tables_ref = {
+            "packs": self._table("packs", packs_rows(remote), stamp),
+            "expired": self._table("expired", b"".join(tables["expired"]), stamp)}
         cp = Checkpoint(store_id=self._store_id, epoch=self.log.epoch or 0,
                         applied=tables["applied"], volumes=tables["volumes"],
                         refs=tables["refs"], leases=tables["leases"], packs=remote,
-                        run=run_name, fences=fences, entries=entries, log_from=log_from,
-                        block_size=self._block_size, expired=tables["expired"],
-                        policies=tables["policies"])
+                        parts=parts, log_from=log_from, block_size=self._block_size,
+                        expired=tables["expired"], policies=tables["policies"],
+                        tables=tables_ref)
         name = f"checkpoints/{stamp}"
         data = cp.encode()
         self.bucket.put_new(name, data)
@@ -113,19 +151,100 @@ class Checkpoints(TierState):
                            name, exc, exc_info=True)
                 self.failed = exc
                 raise
+        self._index.checkpoint_done(((oid, m) for oid, _l, m in changes), name)
+        # What only earlier checkpoints name goes once this one is in the log.
+        keep = {p.name for p in parts} | {n for n, _h in tables_ref.values()}
+        # Earlier runs it merged, and runs this checkpoint wrote then merged again.
+        gone = [p.name for p in old if p.name not in keep]
+        gone += [n for n in self._written_bytes if n.startswith("runs/") and n not in keep]
+        gone += [n for n, _h in self._tables_ref.values() if n not in keep]
+        if self._cp_name and self._cp_name.startswith("checkpoints/"):
+            gone.append(self._cp_name)
         with self._lock:
             self._cp_done = max(self._cp_done, taken)
+            self._doomed.extend((g, taken - 1) for g in gone)
+        self._manifest, self._tables_ref, self._cp_name = parts, tables_ref, name
         self.log.write_hint()
-        self._hydrated = run_name  # the local index holds all of it
+        if self.index_complete():
+            self._hydrated = name  # the local index holds all of it
         self._save_state(data)
         with self._lock:
             self._checkpointed = set(remote)
         self._checkpointed_at = time.monotonic()
         self.stats["checkpoints"] += 1
+        self.stats["checkpoint_bytes"] = len(data) + sum(
+            self._written_bytes.pop(n, 0) for n in list(self._written_bytes))
+        self.stats["index_runs"] = len(runs_of(parts))
         self.stats["last_checkpoint"] = time.time()
-        _log.info("checkpoint %s: applied %s, %d pack(s) in the bucket, log from %d",
-                  name, tuple(tables["applied"]), len(remote), log_from)
+        _log.info("checkpoint %s: applied %s, %d change(s)%s, %d run(s), %d pack(s) in the "
+                  "bucket, log from %d", name, tuple(tables["applied"]), len(changes),
+                  " (the whole index)" if full else "", len(runs_of(parts)), len(remote),
+                  log_from)
         return name
+
+    def _write_run(self, entries: Iterable[tuple[bytes, Loc | None]], level: int, stamp: str
+                   ) -> list[Part]:
+        """Upload sorted `entries` as a new run's parts (none if there are no entries)."""
+        run = 1 + max((p.run for p in self._manifest), default=0)
+        run = max(run, self._next_run)
+        parts: list[Part] = []
+        batch: list[tuple[bytes, Loc | None]] = []
+
+        def put() -> None:
+            data, fences, at = encode_part(batch)
+            name = f"runs/{stamp}-{run}-{len(parts)}"
+            self.bucket.put_new(name, data)
+            self._written_bytes[name] = len(data)
+            inline = len(fences) <= 32 * INLINE_FENCES
+            parts.append(Part(name, run, level, len(batch), batch[0][0],
+                              fences if inline else b"", at,
+                              blake3.blake3(fences).digest()))
+            batch.clear()
+
+        for entry in entries:
+            batch.append(entry)
+            if len(batch) >= PART_ENTRIES:
+                put()
+        if batch:
+            put()
+        if parts:
+            self._next_run = run + 1
+        return parts
+
+    def _merge(self, parts: list[Part], stamp: str) -> list[Part]:
+        """Merge runs while `FANOUT` of them share a level (tiered: see engine/checkpoint.py)."""
+        runs = runs_of(parts)
+        while True:
+            levels = [r[0].level for r in runs]
+            full = next((lv for lv in sorted(set(levels)) if levels.count(lv) >= FANOUT), None)
+            if full is None:
+                return [p for r in runs for p in r]
+            chosen = [i for i, lv in enumerate(levels) if lv == full]
+            oldest = chosen[-1] == len(runs) - 1  # nothing older: tombstones can go
+            readers = [[self._part_reader(p) for p in runs[i]] for i in chosen]
+            entries = merged(readers)
+            if oldest:
+                entries = ((oid, loc) for oid, loc in entries if loc is not None)
+            new = self._write_run(entries, full + 1, stamp)
+            _log.info("merged %d index run(s) of level %d into one of %d part(s)",
+                      len(chosen), full, len(new))
+            runs = ([r for i, r in enumerate(runs) if i < chosen[0]] + ([new] if new else [])
+                    + [r for i, r in enumerate(runs) if i > chosen[-1]])
+
+    def _part_reader(self, part: Part) -> PartReader:
+        return PartReader(part, lambda s, e: self.bucket.get_range(part.name, s, e))
+
+    def _table(self, kind: str, rows: Any, stamp: str) -> tuple[str, bytes]:
+        """The table object holding `rows`: the last one if they did not change."""
+        data = encode_table(kind, rows)
+        digest = blake3.blake3(data).digest()
+        have = self._tables_ref.get(kind)
+        if have is not None and have[1] == digest:
+            return have
+        name = f"tables/{stamp}-{kind}"
+        self.bucket.put_new(name, data)
+        self._written_bytes[name] = len(data)
+        return name, digest
 
     def _save_state(self, checkpoint: bytes | None = None) -> None:
         """Remember locally how far this owner's log reached (and its last checkpoint)."""
@@ -135,7 +254,7 @@ class Checkpoints(TierState):
             write_durably(os.path.join(self._state_dir, TIER_CHECKPOINT), checkpoint)
         write_durably(os.path.join(self._state_dir, TIER_STATE), json.dumps(
             {"epoch": self.log.epoch, "next": self.log.next,
-             "hydrated": self._hydrated, "clean": self._clean,
+             "hydrated": self._hydrated, "clean": self._clean, "checkpoint": self._cp_name,
              "from_log": sorted(self._from_log)}).encode())
 
     def _delete_doomed(self) -> None:
@@ -146,7 +265,8 @@ class Checkpoints(TierState):
         for name in ready:
             try:
                 self.bucket.delete(name)
-                self.stats["packs_deleted"] += 1
+                self.stats["packs_deleted" if name.startswith("packs/") else
+                           "index_objects_deleted"] += 1
                 _log.info("deleted %s: no checkpoint in the log names it", name)
             except BucketUnavailable:
                 _log.warning("could not delete %s; trying again next pass", name,

@@ -162,7 +162,9 @@ def newest_checkpoint(bucket: Bucket, log: OwnerLog, end: int) -> Checkpoint | N
     for _seq, body in iter_log_back(log, end):
         if body["kind"] == "checkpoint":
             name = str(body["name"])
-            return Checkpoint.decode(name, bucket.get(name))
+            cp = Checkpoint.decode(name, bucket.get(name))
+            cp.load_tables(bucket.get)
+            return cp
     return None
 
 
@@ -237,16 +239,20 @@ def restore(url: str, store_dir: str, *, key: bytes | None = None,
             index.load_tables(cp.applied, cp.volumes, cp.refs, cp.leases, cp.policies)
             stamp = struct.pack("<Q", time.time_ns())
             index.note_expired((sid, stamp) for sid in cp.expired)
+            # The index is that checkpoint's runs (read lazily) plus what replaying
+            # the log past it adds: its next checkpoint writes only those.
+            index.set_checkpoint_base(cp.name)
         finally:
             index.close()
-        write_durably(os.path.join(store_dir, TIER_CHECKPOINT), cp.encode())
+        write_durably(os.path.join(store_dir, TIER_CHECKPOINT), cp.raw)
     # The fenced owner's pins are unknown here: nothing is deleted while they may last.
     from strata.engine.gc import inherit_unknown_pins
     inherit_unknown_pins(store_dir)
     # Clean: the packs rebuilt here are what the log holds, so nothing needs shipping.
     rebuilt = report.pop("rebuilt")
     write_durably(os.path.join(store_dir, TIER_STATE), json.dumps(
-        {"epoch": epoch, "next": epoch + 1, "clean": True, "from_log": rebuilt}).encode())
+        {"epoch": epoch, "next": epoch + 1, "clean": True, "from_log": rebuilt,
+         "checkpoint": cp.name if cp is not None else None}).encode())
     report.update(epoch=epoch, checkpoint=bool(cp), seconds=time.monotonic() - t0,
                   packs_in_bucket=len(cp.packs) if cp else 0,
                   authenticated=bucket.key is not None,

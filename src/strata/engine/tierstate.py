@@ -16,9 +16,9 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from strata.engine.bucket import Bucket, OwnerLog
-from strata.engine.checkpoint import Checkpoint, RunReader
+from strata.engine.checkpoint import Checkpoint, Entry, Part, PartReader, runs_of
 from strata.engine.errors import StoreFailed
-from strata.engine.index import Index, Loc
+from strata.engine.index import Index
 from strata.engine.packstore import LocalPacks, PackStore
 
 Progress = Callable[[int, int, int], None]  # records done, records in all, bytes so far
@@ -35,7 +35,7 @@ class TierState(PackStore):
     def __init__(self, local: LocalPacks, bucket: Bucket, log: OwnerLog, *, strict: bool,
                  checkpoint: Checkpoint | None = None, cache_size: int | None = None,
                  hydrated: str | None = None, clean: bool = False,
-                 from_log: set[int] | None = None) -> None:
+                 from_log: set[int] | None = None, cp_name: str | None = None) -> None:
         self.local = local
         self.bucket = bucket
         self.log = log
@@ -59,7 +59,7 @@ class TierState(PackStore):
         # The object index of the checkpoint this store started from, until the local
         # index holds all of it (`hydrated` names the run it holds whole): misses read
         # it a block at a time meanwhile, and the background loop copies it in.
-        self._inherited_index: RunReader | None = None
+        self._inherited_index: list[list[PartReader]] | None = None
         self._hydrated = hydrated
         # Whether the last owner of this directory shipped everything it wrote (a clean
         # close, or a restore, whose packs come from the log): if not, reship at attach.
@@ -68,12 +68,23 @@ class TierState(PackStore):
         # Packs a restore rebuilt from log segments: their bytes came from the bucket,
         # so objects read from them are checked against their ids like bucket packs.
         self._from_log: set[int] = set(from_log or ())
-        self._hydrating: Iterator[list[tuple[bytes, Loc]]] | None = None
-        if checkpoint is not None and checkpoint.run and checkpoint.run != hydrated:
-            run = checkpoint.run
-            self._inherited_index = RunReader(run, checkpoint.fences, checkpoint.entries,
-                                  lambda s, e: self.bucket.get_range(run, s, e))
-        self._inherited_blocks: set[int] = set()
+        self._hydrating: Iterator[list[Entry]] | None = None
+        # The index as the last checkpoint left it in the bucket: its runs (the manifest),
+        # its tables, and its name (`cp-base` in the index says whether the index's
+        # `changed` table counts from there; see engine/tiercheckpoints.py).
+        self._manifest: list[Part] = list(checkpoint.parts) if checkpoint else []
+        self._tables_ref: dict[str, tuple[str, bytes]] = (
+            dict(checkpoint.tables) if checkpoint else {})
+        self._cp_name: str | None = cp_name
+        self._next_run = 1 + max((p.run for p in self._manifest), default=0)
+        self._written_bytes: dict[str, int] = {}
+        if self._manifest and hydrated not in (
+                cp_name, *(p.name for p in self._manifest if len(self._manifest) == 1)):
+            self._inherited_index = [
+                [PartReader(p, self._ranged(p.name)) for p in run]
+                for run in runs_of(self._manifest)]
+        self._inherited_blocks: collections.OrderedDict[tuple[str, int], list[Entry]] = \
+            collections.OrderedDict()
         # The local directory, as the tier sees it: which packs are there, which reads
         # are using one (eviction waits for them), when each was last read.
         self._local: set[int] = set(local.numbers())
@@ -101,10 +112,14 @@ class TierState(PackStore):
                       "bytes_uploaded": 0, "checkpoints": 0, "ranged_reads": 0,
                       "last_checkpoint": 0.0, "last_ship": 0.0, "max_unshipped_ms": 0.0,
                       "outages": 0, "evicted": 0, "evicted_bytes": 0, "fetched_back": 0,
-                      "index_entries_hydrated": 0, "packs_deleted": 0}
+                      "index_entries_hydrated": 0, "packs_deleted": 0,
+                      "index_objects_deleted": 0, "checkpoint_bytes": 0, "index_runs": 0}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fence_thread: threading.Thread | None = None
+
+    def _ranged(self, name: str) -> Callable[[int, int], bytes]:
+        return lambda start, end: self.bucket.get_range(name, start, end)
 
     def _check(self) -> None:
         if self.failed is not None:
@@ -117,5 +132,6 @@ class TierState(PackStore):
         def checkpoint(self) -> str: ...
         def _save_state(self, checkpoint: bytes | None = None) -> None: ...
         def _hydrate_some(self) -> bool: ...
+        def index_complete(self) -> bool: ...
         def _download(self, number: int) -> None: ...
         def _using(self, number: int) -> AbstractContextManager[bool]: ...

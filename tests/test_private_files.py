@@ -16,7 +16,7 @@ import pytest
 from serverutil import Server, cli
 from strata.engine.local import LocalStore, StoreConfig, init_store
 from strata.engine.txn import Transaction
-from strata.mount.session import VolumeState, new_state
+from strata.mount.state import VolumeState, new_state
 
 
 def _open_to_others(root: Path) -> list[str]:

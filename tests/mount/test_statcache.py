@@ -217,7 +217,8 @@ def test_racy_clean_rewrite_in_the_commits_second_is_seen(menv: MountEnv,
     racy-clean rule (a file not older than the scan is not remembered) makes
     status and the next commit see the new bytes.
     """
-    from strata.mount.session import commit, find_mount
+    from strata.mount.session import commit
+    from strata.mount.state import find_mount
     from strata.server.client import RemoteStore
 
     menv.run("volume", "create", "v")

@@ -101,7 +101,7 @@ RefParts = tuple[str, str, "str | None", "str | None", bool]
 def _mount_refs(args: argparse.Namespace) -> list[RefParts]:
     """The REFs, [NAME=]REF[:ro|:rw], parsed without the store.
 
-    As (name, volume, branch, snapshot, ro): mount/session.py's MountRef.
+    As (name, volume, branch, snapshot, ro): mount/state.py's MountRef.
     """
     refs: list[RefParts] = []
     for text in args.refs:
@@ -130,7 +130,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if (args.background and server_url(args) is None
             and os.environ.get("STRATA_MOUNT_IN_PROCESS") != "1"):
         return _mount_via_service(args, target, single)
-    from strata.mount.session import MountRef, mount_volumes, new_state
+    from strata.mount.state import MountRef, mount_volumes, new_state
     from strata.procs import keepalive_every
     refs = [MountRef(*r) for r in _mount_refs(args)]
     with open_remote(args) as store:
@@ -181,7 +181,7 @@ def serve_mount(state: Any, *, background: bool) -> int:
 
 
 def _state(args: argparse.Namespace) -> Any:
-    from strata.mount.session import find_mount
+    from strata.mount.state import find_mount
     return find_mount(args.dir)
 
 

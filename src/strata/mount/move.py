@@ -50,7 +50,8 @@ from strata.mount.overlay import (
     sys_mount,
     unmount,
 )
-from strata.mount.session import MountState, VolumeState, new_state, pending, teardown
+from strata.mount.session import pending, teardown
+from strata.mount.state import MountState, VolumeState, new_state
 
 # A commit moves the mount once its upper directory holds this many published
 # paths: below it, a scan of them costs less than starting a new mount process.

@@ -23,7 +23,8 @@ import time
 
 from strata.engine.errors import StrataError
 from strata.mount.overlay import MountError, unmount
-from strata.mount.session import MountState, mount_overlays, teardown
+from strata.mount.session import mount_overlays, teardown
+from strata.mount.state import MountState
 from strata.procs import alive
 from strata.server.client import RemoteStore
 

@@ -27,18 +27,15 @@ from strata.mount.cache import trim_if_due
 from strata.mount.overlay import unmount_under
 from strata.mount.session import (
     SWEEP_AFTER,
-    MountState,
-    VolumeState,
     commit,
     limit_writes,
-    new_state,
     pending,
     remove_stage,
-    scratch_root,
     sweep_abandoned_steps,
     teardown,
     upload_changes,
 )
+from strata.mount.state import MountState, VolumeState, new_state, scratch_root
 from strata.procs import alive
 from strata.run.identity import STEPS_DIR, IdRange, UserNamespace, idmapped_mount, make_stage
 from strata.run.sandbox import DEFAULT_PIDS, Jail, build_command, run_command

@@ -409,7 +409,7 @@ def _mount(conn: socket.socket, req: dict[str, Any], store_dir: str, mounter: Pr
     made in the CLI's own process does; so this worker finishes what it
     began even if its client goes away.
     """
-    from strata.mount.session import mount_volumes, new_state
+    from strata.mount.state import mount_volumes, new_state
     from strata.server.client import RemoteStore, default_socket
     if not _send(conn, {"event": "accepted"}):
         return 1

@@ -50,7 +50,7 @@ from strata.mount.overlay import (
     sys_mount,
     unmount,
 )
-from strata.mount.session import pending, teardown
+from strata.mount.session import teardown, uncommitted_changes
 from strata.mount.state import MountState, VolumeState, new_state
 
 # A commit moves the mount once its upper directory holds this many published
@@ -198,7 +198,7 @@ def _plan(store: Store, state: MountState, targets: dict[str, str], check_heads:
             continue
         uncommitted: dict[str, Entry | None] = {}
         if not v.readonly:
-            uncommitted, _scan = pending(store, state, v)
+            uncommitted, _scan = uncommitted_changes(store, state, v)
             _check_movable(state, v, uncommitted)
         if check_heads and uncommitted and targets[v.name] != v.base:
             changed = [p for p, _a, _b in trees.diff(store.snapshot(v.base).root,

@@ -108,7 +108,7 @@ def scan_volume(store: Store, state: MountState, v: VolumeState, *,
     known: statcache.StatCache | None = None
     stamp_ns = None
     if cache:
-        index = state.index(v)
+        index = state.statcache_path(v)
         os.makedirs(os.path.dirname(index), mode=0o700, exist_ok=True)
         now, dev = statcache.fs_now(os.path.dirname(index))
         if dev == os.lstat(upper).st_dev:  # else its clock is not the upper files' clock
@@ -126,8 +126,8 @@ def entry_digest(e: Entry | None) -> str:
     return blake3.blake3(packb(None if e is None else e.to_list())).hexdigest()[:24]
 
 
-def pending(store: Store, state: MountState, v: VolumeState, *, cache: bool = True
-            ) -> tuple[dict[str, Entry | None], Scan]:
+def uncommitted_changes(store: Store, state: MountState, v: VolumeState, *,
+                        cache: bool = True) -> tuple[dict[str, Entry | None], Scan]:
     """What this volume's next commit publishes: changes since its last commit.
 
     The upper directory describes the mount against the pinned snapshot; what
@@ -172,7 +172,7 @@ def pending(store: Store, state: MountState, v: VolumeState, *, cache: bool = Tr
     again = [e.ref for p, e in changes.items()
              if p in scan.cached and e is not None and e.ref is not None]
     if again and store.missing(again):
-        return pending(store, state, v, cache=False)
+        return uncommitted_changes(store, state, v, cache=False)
     return changes, scan
 
 
@@ -229,7 +229,7 @@ def commit(store: Store, state: MountState, *, message: str = "",
     """
     t0 = time.monotonic()
     todo = [v for v in state.committed if names is None or v.name in names]
-    work = [(v, *pending(store, state, v, cache=remember)) for v in todo]
+    work = [(v, *uncommitted_changes(store, state, v, cache=remember)) for v in todo]
     changesets = []
     objects: dict[bytes, ObjectSet] = {}  # id -> the scan that can read it
     for v, changes, scan in work:
@@ -250,8 +250,8 @@ def commit(store: Store, state: MountState, *, message: str = "",
         if scan.stamp_ns is not None:
             # Before state.json: a crash in between leaves a cache made for a base
             # the state does not name yet, which the next scan ignores.
-            statcache.save(state.index(v), volume=v.volume, pinned=v.pinned, base=v.base,
-                           stamp_ns=scan.stamp_ns, files=_cache_rows(scan))
+            statcache.save(state.statcache_path(v), volume=v.volume, pinned=v.pinned,
+                           base=v.base, stamp_ns=scan.stamp_ns, files=_cache_rows(scan))
     if remember:
         state.save()  # a step's state is dropped with its scratch right after
     return CommitResult(published, sum(len(c) for _v, c, _s in work), sent,
@@ -331,7 +331,7 @@ def status(store: Store, state: MountState) -> dict[str, Any]:
         if v.readonly:
             out[v.name or v.volume] = {"readonly": True, "changes": [], "uncommitted": []}
             continue
-        changes, scan = pending(store, state, v)
+        changes, scan = uncommitted_changes(store, state, v)
         out[v.name or v.volume] = {
             "volume": v.volume, "branch": v.branch, "pinned": v.pinned, "base": v.base,
             "changes": scan.summary(), "uncommitted": sorted(changes),
@@ -342,7 +342,7 @@ def status(store: Store, state: MountState) -> dict[str, Any]:
 
 
 def has_uncommitted(store: Store, state: MountState) -> bool:
-    return any(pending(store, state, v)[0] for v in state.committed)
+    return any(uncommitted_changes(store, state, v)[0] for v in state.committed)
 
 
 def teardown(state: MountState, *, lazy: bool = False) -> None:

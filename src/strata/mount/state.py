@@ -74,7 +74,7 @@ class MountState:
         """The volumes a commit publishes: writable ones that are not a throwaway layer."""
         return [v for v in self.volumes if not v.readonly and not v.throwaway]
 
-    def index(self, v: VolumeState) -> str:
+    def statcache_path(self, v: VolumeState) -> str:
         """The volume's stat cache (mount/statcache.py): what its last commit read."""
         return os.path.join(self.scratch, "index", v.name or "_")
 

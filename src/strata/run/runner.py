@@ -29,10 +29,10 @@ from strata.mount.session import (
     SWEEP_AFTER,
     commit,
     limit_writes,
-    pending,
     remove_stage,
     sweep_abandoned_steps,
     teardown,
+    uncommitted_changes,
     upload_changes,
 )
 from strata.mount.state import MountState, VolumeState, new_state, scratch_root
@@ -579,7 +579,7 @@ def _keep_rejected(store: Store, state: MountState, result: StepResult, msg: str
     """Publish the refused change sets on rejected/<run-id>, from the snapshots they saw."""
     branch = f"rejected/{result.run_id}"
     for v in state.committed:
-        changes, scan = pending(store, state, v, cache=False)
+        changes, scan = uncommitted_changes(store, state, v, cache=False)
         if not changes:
             continue
         with contextlib.suppress(StrataError):

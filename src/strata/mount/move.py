@@ -33,7 +33,7 @@ import stat as statmod
 from dataclasses import dataclass, replace
 
 from strata import localfile
-from strata.engine.errors import Conflict, StrataError
+from strata.engine.errors import Conflict, Stayed
 from strata.engine.interface import Store
 from strata.engine.objects import K_DIR, Entry
 from strata.engine.tree import Trees
@@ -60,13 +60,6 @@ MOVE_AFTER = 512
 _SYS_MOVE_MOUNT = 429  # x86_64 and arm64 (asm-generic) alike
 _MOVE_MOUNT_BENEATH = 0x200
 _AT_FDCWD = -100
-
-
-class Stayed(StrataError):
-    """The mount could not move now and stays on its snapshots; the message says why."""
-
-    exit_code = 1
-    http_status = 409
 
 
 @dataclass

@@ -246,7 +246,7 @@ def _mount_in_process(env: Env, volume: str, name: str) -> float:
         sid = rs.list_branches(volume)["live"]
         rs.close()
         state = new_state(target, url, [VolumeState("", volume, "live", sid, sid)], single=True)
-        state.extra["token"] = None
+        state.token = None
         state.save()
         error = process.start(state, background=True)
         if error is not None:

@@ -225,7 +225,7 @@ def test_racy_clean_rewrite_in_the_commits_second_is_seen(menv: MountEnv,
     m = menv.mount("v")
     monkeypatch.setenv("STRATA_SCRATCH", menv.env["STRATA_SCRATCH"])
     state = find_mount(str(m))
-    store = RemoteStore(state.server, state.extra.get("token"))
+    store = RemoteStore(state.server, state.token)
     upper = Path(state.upper(state.volumes[0]))
     try:
         for attempt in range(10):

@@ -81,10 +81,10 @@ def _store_for(args: argparse.Namespace, state: Any) -> Iterator[Store]:
     The local store's own server is started again if it has exited idle.
     """
     from strata.server.client import RemoteStore
-    server, token = state.server, state.extra.get("token")
+    server, token = state.server, state.token
     if server is not None and server_url(args) is None:
-        if state.extra.get("store"):
-            ensure_server(state.extra["store"])
+        if state.store:
+            ensure_server(state.store)
         store = RemoteStore(server, token)
         try:
             yield store
@@ -137,15 +137,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
         vols = mount_volumes(store, refs, ro=args.ro, single=single)
         url, token = store.url, store.token
     state = new_state(target, url, vols, single=single)
-    state.extra["token"] = token
-    if args.privileged:
-        state.extra["privileged"] = True
+    state.token = token
+    state.privileged = bool(args.privileged)
     if server_url(args) is None:
         # The local store's own server exits when idle, but the mount reads through
         # it for its whole life: the mount process keeps it busy, and commit,
         # status and unmount start it again if it is gone.
-        state.extra["store"] = store_path(args)
-        state.extra["keepalive"] = keepalive_every()
+        state.store = store_path(args)
+        state.keepalive = keepalive_every()
     state.save()
     return serve_mount(state, background=args.background)
 

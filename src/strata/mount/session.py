@@ -53,10 +53,10 @@ MAX_INLINE_UPLOAD = 4 * 1024 * 1024
 def mount_overlays(state: MountState) -> None:
     """Put overlayfs over the FUSE view for every writable volume (FUSE must be up)."""
     done: list[str] = []
-    step = "run" in state.extra
+    step = state.is_step
     # Setuid bits and device nodes are bytes unless the mount was asked to honour
     # them (`strata mount --privileged`); a step's volumes never do.
-    guarded = step or not state.extra.get("privileged")
+    guarded = step or not state.privileged
     secure = MS_NOSUID | MS_NODEV if guarded else 0
     try:
         if not state.single:
@@ -115,7 +115,7 @@ def scan_volume(store: Store, state: MountState, v: VolumeState, *,
             stamp_ns = now
             known = statcache.load(index, volume=v.volume, pinned=v.pinned, base=v.base)
     scan = UpperScanner(trees, lower_root, store.block_size, known,
-                        int(state.extra.get("id_shift", 0))).scan(upper)
+                        state.id_shift).scan(upper)
     scan.stamp_ns = stamp_ns
     scan.known = known
     scan.cache_ignored = known.ignored if known is not None else ""
@@ -366,9 +366,8 @@ def teardown(state: MountState, *, lazy: bool = False) -> None:
                 os.kill(state.pid, signal.SIGTERM)
     if not state.single and is_mountpoint(state.mountpoint):
         unmount(state.mountpoint, lazy=True)  # the tmpfs holding DIR/NAME
-    stage = state.extra.get("stage")
-    if isinstance(stage, str) and stage:
-        remove_stage(stage)
+    if state.stage:
+        remove_stage(state.stage)
     _unmount_rw(state)
     shutil.rmtree(state.scratch, ignore_errors=True)
 
@@ -393,14 +392,14 @@ def limit_writes(state: MountState, size: int) -> None:
             raise MountError(f"making the step's {size}-byte disk: {argv[0]}: "
                              f"{p.stderr.strip()}")
     os.chmod(rw, 0o700)
-    state.extra["rw"] = "rw"
+    state.rw = "rw"
     for v in state.volumes:
         os.makedirs(state.upper(v), mode=0o755)
         os.makedirs(state.work(v), mode=0o700)
 
 
 def _unmount_rw(state: MountState) -> None:
-    if state.extra.get("rw"):
+    if state.rw:
         rw = os.path.join(state.scratch, "rw")
         if is_mountpoint(rw):
             with contextlib.suppress(MountError):
@@ -447,17 +446,15 @@ def sweep_abandoned_steps(root: str | None = None) -> list[str]:
                 continue
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        runner = st.extra.get("runner")
-        if "run" not in st.extra or not isinstance(runner, int):
+        if not st.is_step or not st.runner:
             continue
-        if alive(runner) or (st.pid and alive(st.pid)):
+        if alive(st.runner) or (st.pid and alive(st.pid)):
             continue
         _unmount_rw(st)  # a --disk filesystem: nobody else can be using it now
         if any(mp == scratch or mp.startswith(scratch + "/") for mp in mount_points()):
             continue
-        stage = st.extra.get("stage")
-        if isinstance(stage, str) and stage:
-            remove_stage(stage)
+        if st.stage:
+            remove_stage(st.stage)
         shutil.rmtree(scratch, ignore_errors=True)
         removed.append(scratch)
     return removed

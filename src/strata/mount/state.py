@@ -50,19 +50,34 @@ class MountState:
     server: str | None
     volumes: list[VolumeState]
     single: bool = True
-    pid: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    pid: int = 0                # the mount process (the creator's, until it starts)
+    # How the mount was made (these were state.json's "extra" object: see SETTINGS).
+    token: str | None = None    # the bearer token the mount reads the store with
+    store: str = ""             # the local store's directory, whose server may idle out
+    keepalive: float = 0.0      # seconds between the mount process's keep-alive requests
+    privileged: bool = False    # setuid bits and device nodes honoured (`--privileged`)
+    # A step's mount (run/runner.py); a plain `strata mount` leaves these empty.
+    run: str = ""               # the step's run id
+    runner: int = 0             # the step's runner process
+    stage: str = ""             # the step's staging directory, removed at teardown
+    id_shift: int = 0           # the step's first id: owners appear shifted by it
+    rw: str = ""                # a filesystem of its own for the writes (a step's --disk)
+    pgid: int = 0               # the step's process group, while its command runs
+
+    @property
+    def is_step(self) -> bool:
+        """A step's mount: never moved, never privileged, its writes volatile."""
+        return bool(self.run)
 
     @property
     def lower(self) -> str:
         return os.path.join(self.scratch, "lower")
 
     def upper(self, v: VolumeState) -> str:
-        # "rw": a filesystem of its own for the writes (a step's --disk), under scratch.
-        return os.path.join(self.scratch, self.extra.get("rw", ""), "upper", v.name or "_")
+        return os.path.join(self.scratch, self.rw, "upper", v.name or "_")
 
     def work(self, v: VolumeState) -> str:
-        return os.path.join(self.scratch, self.extra.get("rw", ""), "work", v.name or "_")
+        return os.path.join(self.scratch, self.rw, "work", v.name or "_")
 
     def target(self, v: VolumeState) -> str:
         if v.throwaway:
@@ -97,14 +112,29 @@ class MountState:
     def load(cls, scratch: str) -> MountState:
         with open(os.path.join(scratch, "state.json")) as f:
             raw = json.load(f)
+        # Written before the settings were fields: they sat in one "extra" object.
+        extra = raw.pop("extra", None)
+        if isinstance(extra, dict):
+            for key in SETTINGS:
+                if key in extra:
+                    raw.setdefault(key, extra[key])
         raw["volumes"] = [VolumeState(**v) for v in raw["volumes"]]
         return cls(**raw)
 
 
+# MountState's fields that say how the mount was made, not what it holds. state.json
+# kept them in an "extra" object until they became fields; MountState.load still
+# reads that. A move (mount/move.py) carries them to the new mount.
+SETTINGS = ("token", "store", "keepalive", "privileged", "run", "runner", "stage",
+            "id_shift", "rw", "pgid")
+
+
 def new_state(mountpoint: str, server: str | None, volumes: list[VolumeState],
-              single: bool, extra: dict[str, Any] | None = None, *,
-              save: bool = True) -> MountState:
+              single: bool, *, save: bool = True) -> MountState:
     """A new scratch directory and its state; `save=False` leaves state.json to the caller.
+
+    The settings (token, a step's run id, ...) are set on the state by the
+    caller, which then saves it.
 
     (A scratch without state.json is never swept: nobody can tell whose it is.)
     """
@@ -118,7 +148,7 @@ def new_state(mountpoint: str, server: str | None, volumes: list[VolumeState],
         os.makedirs(os.path.join(scratch, "upper", v.name or "_"), mode=0o755)
         os.makedirs(os.path.join(scratch, "work", v.name or "_"), mode=0o700)
     state = MountState(mid, os.path.realpath(mountpoint), scratch, server, volumes, single,
-                       os.getpid(), dict(extra or {}))
+                       os.getpid())
     if save:
         state.save()
     return state

@@ -229,13 +229,13 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         jail.open()
         storage = os.path.join(jail.stage, "storage")
         os.mkdir(storage, 0o755)
-        extra: dict[str, Any] = {"run": run_id, "runner": os.getpid(), "stage": jail.stage}
-        if jail.id_base:
-            extra["id_shift"] = jail.id_base  # the mount shows owners as the step's ids
-        state = st = new_state(storage, store.url, vols, single=False, extra=extra, save=False)
+        state = st = new_state(storage, store.url, vols, single=False, save=False)
+        st.run, st.runner, st.stage = run_id, os.getpid(), jail.stage
+        # The mount shows owners as the step's ids.
+        st.id_shift = jail.id_base or 0
         if disk is not None:
             limit_writes(st, disk)  # the step's writes on a filesystem of that size
-        st.extra["token"] = store.token
+        st.token = store.token
         st.save()
         error = mounter.start_mount(st, dict(os.environ) if mounter_env else None)
         if error is not None:
@@ -258,7 +258,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
 
         def started(pgid: int) -> None:
             # The mount process kills this group if the runner dies before it ends.
-            st.extra["pgid"] = pgid
+            st.pgid = pgid
             st.save()
 
         try:
@@ -267,7 +267,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         finally:
             jail.started()
         t2 = time.monotonic()
-        state.extra.pop("pgid", None)
+        state.pgid = 0
         state.save()
         result.timings["command"] = t2 - t1
         result.status, result.timed_out, result.oom = (outcome.status, outcome.timed_out,

@@ -8,10 +8,13 @@ be found, committed and torn down.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from strata.mount.session import SWEEP_AFTER, sweep_abandoned_steps
 from strata.mount.state import SETTINGS, MountState, VolumeState, find_mount, new_state
 
 PINNED = "0" * 64
@@ -61,3 +64,29 @@ def test_state_json_with_extra_still_loads(tmp_path: Path,
     assert not old.is_step and old.privileged and old.keepalive == 60.0
     assert old.store == "/store" and old.token is None
     assert find_mount(st.mountpoint).id == st.id
+
+
+def test_sweep_takes_a_dead_steps_scratch_only(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    p = subprocess.Popen(["true"])  # the runner: a pid that is gone
+    p.wait()
+    plain = _new(tmp_path, monkeypatch)
+    plain.pid = 0
+    plain.save()
+    step = new_state(str(tmp_path / "mnt"), "unix:/nowhere", [], single=False, save=False)
+    step.pid, step.run, step.runner = 0, "abc", p.pid
+    step.save()
+    # Written before the settings were fields, and left by a runner that died too.
+    old = new_state(str(tmp_path / "mnt"), "unix:/nowhere", [], single=False, save=False)
+    old.pid = 0
+    old.save()
+    raw = json.loads((Path(old.scratch) / "state.json").read_text())
+    for key in SETTINGS:
+        del raw[key]
+    raw["extra"] = {"run": "def", "runner": p.pid}
+    (Path(old.scratch) / "state.json").write_text(json.dumps(raw))
+    long_ago = os.stat(plain.scratch).st_mtime - SWEEP_AFTER - 60
+    for st in (plain, step, old):
+        os.utime(Path(st.scratch) / "state.json", (long_ago, long_ago))
+    assert sorted(sweep_abandoned_steps()) == sorted([step.scratch, old.scratch])
+    assert os.path.isdir(plain.scratch)

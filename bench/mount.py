@@ -235,7 +235,7 @@ def _environ(env: dict[str, str]) -> Iterator[None]:
 def _mount_in_process(env: Env, volume: str, name: str) -> float:
     """Mount and list the root through the library (no CLI interpreter start)."""
     from strata.mount import process
-    from strata.mount.session import VolumeState, new_state
+    from strata.mount.state import VolumeState, new_state
     from strata.server.client import RemoteStore, default_socket
     target = os.path.join(env.root, "mnt", name)
     os.makedirs(target)
@@ -246,7 +246,7 @@ def _mount_in_process(env: Env, volume: str, name: str) -> float:
         sid = rs.list_branches(volume)["live"]
         rs.close()
         state = new_state(target, url, [VolumeState("", volume, "live", sid, sid)], single=True)
-        state.extra["token"] = None
+        state.token = None
         state.save()
         error = process.start(state, background=True)
         if error is not None:

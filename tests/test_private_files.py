@@ -16,7 +16,7 @@ import pytest
 from serverutil import Server, cli
 from strata.engine.local import LocalStore, StoreConfig, init_store
 from strata.engine.txn import Transaction
-from strata.mount.session import VolumeState, new_state
+from strata.mount.state import VolumeState, new_state
 
 
 def _open_to_others(root: Path) -> list[str]:
@@ -65,8 +65,9 @@ def test_mount_scratch_and_its_token_are_private(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STRATA_SCRATCH", str(tmp_path / "scratch"))
     st = new_state(str(tmp_path / "mnt"), "http://127.0.0.1:1", [
-        VolumeState("", "v", "live", "0" * 64, "0" * 64)], single=True,
-        extra={"token": "strata_secret"})
+        VolumeState("", "v", "live", "0" * 64, "0" * 64)], single=True, save=False)
+    st.token = "strata_secret"
+    st.save()
     state = Path(st.scratch) / "state.json"
     assert "strata_secret" in state.read_text()
     # Nothing under a 0700 directory is reachable by others; the upper directory

@@ -715,7 +715,8 @@ def test_a_block_read_back_must_still_match(tmp_path: Path) -> None:
 
 def _scan_reads(sm: SharedMount) -> int:
     """Bytes this process reads while scanning the mount's upper directory."""
-    from strata.mount.session import find_mount, scan_volume
+    from strata.mount.session import scan_volume
+    from strata.mount.state import find_mount
     from strata.server.client import RemoteStore
 
     os.environ["STRATA_SCRATCH"] = sm.env.env["STRATA_SCRATCH"]

@@ -217,14 +217,15 @@ def test_racy_clean_rewrite_in_the_commits_second_is_seen(menv: MountEnv,
     racy-clean rule (a file not older than the scan is not remembered) makes
     status and the next commit see the new bytes.
     """
-    from strata.mount.session import commit, find_mount
+    from strata.mount.session import commit
+    from strata.mount.state import find_mount
     from strata.server.client import RemoteStore
 
     menv.run("volume", "create", "v")
     m = menv.mount("v")
     monkeypatch.setenv("STRATA_SCRATCH", menv.env["STRATA_SCRATCH"])
     state = find_mount(str(m))
-    store = RemoteStore(state.server, state.extra.get("token"))
+    store = RemoteStore(state.server, state.token)
     upper = Path(state.upper(state.volumes[0]))
     try:
         for attempt in range(10):

@@ -222,7 +222,7 @@ def hostile_world(senv: StepEnv, sandbox: str, victim_sandbox: str | None = None
         try:
             state = json.loads((victim_dir / "state.json").read_text())
             known[int(state["pid"])] = "the victim's mount process"
-            known[int(state["extra"]["runner"])] = "the victim's runner"
+            known[int(state["runner"])] = "the victim's runner"
         except (OSError, ValueError, KeyError, TypeError):
             pass
 

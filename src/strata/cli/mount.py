@@ -81,10 +81,10 @@ def _store_for(args: argparse.Namespace, state: Any) -> Iterator[Store]:
     The local store's own server is started again if it has exited idle.
     """
     from strata.server.client import RemoteStore
-    server, token = state.server, state.extra.get("token")
+    server, token = state.server, state.token
     if server is not None and server_url(args) is None:
-        if state.extra.get("store"):
-            ensure_server(state.extra["store"])
+        if state.store:
+            ensure_server(state.store)
         store = RemoteStore(server, token)
         try:
             yield store
@@ -101,7 +101,7 @@ RefParts = tuple[str, str, "str | None", "str | None", bool]
 def _mount_refs(args: argparse.Namespace) -> list[RefParts]:
     """The REFs, [NAME=]REF[:ro|:rw], parsed without the store.
 
-    As (name, volume, branch, snapshot, ro): mount/session.py's MountRef.
+    As (name, volume, branch, snapshot, ro): mount/state.py's MountRef.
     """
     refs: list[RefParts] = []
     for text in args.refs:
@@ -130,22 +130,21 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if (args.background and server_url(args) is None
             and os.environ.get("STRATA_MOUNT_IN_PROCESS") != "1"):
         return _mount_via_service(args, target, single)
-    from strata.mount.session import MountRef, mount_volumes, new_state
+    from strata.mount.state import MountRef, mount_volumes, new_state
     from strata.procs import keepalive_every
     refs = [MountRef(*r) for r in _mount_refs(args)]
     with open_remote(args) as store:
         vols = mount_volumes(store, refs, ro=args.ro, single=single)
         url, token = store.url, store.token
     state = new_state(target, url, vols, single=single)
-    state.extra["token"] = token
-    if args.privileged:
-        state.extra["privileged"] = True
+    state.token = token
+    state.privileged = bool(args.privileged)
     if server_url(args) is None:
         # The local store's own server exits when idle, but the mount reads through
         # it for its whole life: the mount process keeps it busy, and commit,
         # status and unmount start it again if it is gone.
-        state.extra["store"] = store_path(args)
-        state.extra["keepalive"] = keepalive_every()
+        state.store = store_path(args)
+        state.keepalive = keepalive_every()
     state.save()
     return serve_mount(state, background=args.background)
 
@@ -181,7 +180,7 @@ def serve_mount(state: Any, *, background: bool) -> int:
 
 
 def _state(args: argparse.Namespace) -> Any:
-    from strata.mount.session import find_mount
+    from strata.mount.state import find_mount
     return find_mount(args.dir)
 
 

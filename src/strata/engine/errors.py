@@ -154,3 +154,27 @@ class HelperFailed(StrataError):
 
     exit_code = 1
     http_status = 500
+
+
+class Stayed(Unavailable):
+    """A mount could not move onto other snapshots now and stays where it is; retry later.
+
+    The message says why: a process uses the mount, a file is open for
+    writing, or an uncommitted entry (a renamed directory, a hard link) only
+    a commit resolves. Exit code 1, as every Unavailable. HTTP 409, not 503:
+    the server is fine, the mount is busy (as Locked is 423).
+    """
+
+    exit_code = 1
+    http_status = 409
+
+
+class WritesDropped(StrataError):
+    """A detach found the workspace fenced: what was written after that is not in the store.
+
+    Nothing to retry: another holder took the branch over, and the message
+    says how many bytes written here were dropped. Exit code 1, HTTP 500.
+    """
+
+    exit_code = 1
+    http_status = 500

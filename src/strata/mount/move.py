@@ -33,7 +33,7 @@ import stat as statmod
 from dataclasses import dataclass, replace
 
 from strata import localfile
-from strata.engine.errors import Conflict, StrataError
+from strata.engine.errors import Conflict, Stayed
 from strata.engine.interface import Store
 from strata.engine.objects import K_DIR, Entry
 from strata.engine.tree import Trees
@@ -50,7 +50,8 @@ from strata.mount.overlay import (
     sys_mount,
     unmount,
 )
-from strata.mount.session import MountState, VolumeState, new_state, pending, teardown
+from strata.mount.session import teardown, uncommitted_changes
+from strata.mount.state import SETTINGS, MountState, VolumeState, new_state
 
 # A commit moves the mount once its upper directory holds this many published
 # paths: below it, a scan of them costs less than starting a new mount process.
@@ -59,13 +60,6 @@ MOVE_AFTER = 512
 _SYS_MOVE_MOUNT = 429  # x86_64 and arm64 (asm-generic) alike
 _MOVE_MOUNT_BENEATH = 0x200
 _AT_FDCWD = -100
-
-
-class Stayed(StrataError):
-    """The mount could not move now and stays on its snapshots; the message says why."""
-
-    exit_code = 1
-    http_status = 409
 
 
 @dataclass
@@ -86,7 +80,7 @@ def after_commit(store: Store, state: MountState) -> tuple[MountState, str | Non
     Returns the mount's state (new if it moved) and why it stayed, if it did
     and a move was due.
     """
-    if "run" in state.extra or published_in_upper(state) < MOVE_AFTER:
+    if state.is_step or published_in_upper(state) < MOVE_AFTER:
         return state, None
     try:
         return move(store, state, {v.name: v.base for v in state.committed}), None
@@ -108,7 +102,7 @@ def reload(store: Store, state: MountState) -> MountState:
 def move(store: Store, state: MountState, targets: dict[str, str], *,
          check_heads: bool = False) -> MountState:
     """Move the volumes named in `targets` onto those snapshots (see the module's doc)."""
-    if "run" in state.extra or state.extra.get("rw"):
+    if state.is_step or state.rw:
         raise Stayed("a step's mount never moves")
     users = using(state)
     if users:
@@ -162,7 +156,7 @@ def using(state: MountState) -> list[str]:
 
 
 def _overlay_flags(state: MountState) -> int:
-    return 0 if state.extra.get("privileged") else MS_NOSUID | MS_NODEV
+    return 0 if state.privileged else MS_NOSUID | MS_NODEV
 
 
 def _freeze(state: MountState) -> list[str]:
@@ -197,7 +191,7 @@ def _plan(store: Store, state: MountState, targets: dict[str, str], check_heads:
             continue
         uncommitted: dict[str, Entry | None] = {}
         if not v.readonly:
-            uncommitted, _scan = pending(store, state, v)
+            uncommitted, _scan = uncommitted_changes(store, state, v)
             _check_movable(state, v, uncommitted)
         if check_heads and uncommitted and targets[v.name] != v.base:
             changed = [p for p, _a, _b in trees.diff(store.snapshot(v.base).root,
@@ -256,8 +250,10 @@ def _new_state(old: MountState, plans: list[_Plan]) -> MountState:
     volumes = [replace(v, pinned=moving[v.name], base=moving[v.name], published={})
                if v.name in moving else replace(v, published=dict(v.published))
                for v in old.volumes]
-    extra = {k: val for k, val in old.extra.items() if k != "stage"}
-    new = new_state(old.mountpoint, old.server, volumes, old.single, extra, save=False)
+    new = new_state(old.mountpoint, old.server, volumes, old.single, save=False)
+    for name in SETTINGS:
+        if name != "stage":  # a step's staging directory, removed with the old mount
+            setattr(new, name, getattr(old, name))
     new.mountpoint = os.path.join(new.scratch, "stage")  # until the swap
     os.mkdir(new.mountpoint, 0o755)
     return new

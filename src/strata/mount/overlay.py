@@ -219,7 +219,8 @@ class Scan:
     cached: dict[str, str] = field(default_factory=dict)
     stamp_ns: int | None = None  # the upper filesystem's time when the scan began
     known: StatCache | None = None  # the stat cache the scan used
-    digests: dict[str, str] = field(default_factory=dict)  # of `changes`, set by pending()
+    # of `changes`, set by uncommitted_changes()
+    digests: dict[str, str] = field(default_factory=dict)
     cache_ignored: str = ""      # why a stat cache on disk was not used
 
     def summary(self) -> list[dict[str, str]]:

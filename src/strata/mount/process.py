@@ -4,7 +4,7 @@
 forks a detached process and returns once the mount is ready or has failed.
 With `watch_pid`, the mount process tears itself down, discarding the upper
 directories, as soon as that process is gone (first killing the process group
-the owner recorded as `pgid` in the state's `extra`, the processes using the
+the owner recorded as the state's `pgid`, the processes using the
 mount): a step runner that dies publishes nothing and leaves no scratch behind.
 `Prepared` is a mount process forked before its mount exists (a runner's or
 a step service worker's), which `start_mount` starts once it does.
@@ -23,7 +23,8 @@ import time
 
 from strata.engine.errors import StrataError
 from strata.mount.overlay import MountError, unmount
-from strata.mount.session import MountState, mount_overlays, teardown
+from strata.mount.session import mount_overlays, teardown
+from strata.mount.state import MountState
 from strata.procs import alive
 from strata.server.client import RemoteStore
 
@@ -187,12 +188,12 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
     from strata.mount.vfs import SnapshotFS, Volume
     state.pid = os.getpid()
     state.save()
-    store = RemoteStore(state.server or "", state.extra.get("token"))
+    store = RemoteStore(state.server or "", state.token)
     pins = _Pins(store, [(v.volume, v.pinned) for v in state.volumes])
     # A step's runner pins the step's snapshots itself, renews and releases them:
     # a second set here would only add a request to every step. It also measures
     # the content cache now and then (cache.trim_if_due), not every step's mount.
-    own_pins = "run" not in state.extra
+    own_pins = not state.is_step
     try:
         if own_pins:
             pins.pin()  # garbage collection keeps what the lower view shows while mounted
@@ -212,8 +213,8 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
         return str(exc)
     if own_pins:
         threading.Thread(target=pins.renew, daemon=True).start()
-    if state.extra.get("keepalive"):
-        threading.Thread(target=_keep_alive, args=(store, float(state.extra["keepalive"])),
+    if state.keepalive:
+        threading.Thread(target=_keep_alive, args=(store, float(state.keepalive)),
                          daemon=True).start()
 
     def tell(msg: bytes) -> None:
@@ -247,8 +248,8 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
 
     try:
         fuse.run(fs, state.lower, fsname=f"strata:{state.volumes[0].volume}", on_ready=ready,
-                 id_shift=int(state.extra.get("id_shift", 0)),
-                 privileged=bool(state.extra.get("privileged")) and "run" not in state.extra)
+                 id_shift=state.id_shift,
+                 privileged=state.privileged and not state.is_step)
     except KeyboardInterrupt:
         pass
     if _discarding.is_set():
@@ -317,9 +318,8 @@ def _watch(pid: int, state: MountState) -> None:
     # mount (state.json "pgid", a process group), then discard everything.
     _discarding.set()
     try:
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            with open(os.path.join(state.scratch, "state.json")) as f:
-                pgid = int(json.load(f).get("extra", {}).get("pgid", 0))
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            pgid = MountState.load(state.scratch).pgid
             if pgid > 1:
                 os.killpg(pgid, signal.SIGKILL)
         try:

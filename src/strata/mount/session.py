@@ -1,31 +1,28 @@
-"""A mount's life: start (FUSE lower + overlay), status, commit, unmount.
+"""A mount's life: overlays over the FUSE view, scan, status, commit, unmount.
 
-Each mount has a scratch directory (`STRATA_SCRATCH`, default
-/var/tmp/strata/mounts/<id>) holding the FUSE lower mount point, one upper
-and work directory per volume, and `state.json`: which snapshot each volume
-is pinned to, which snapshot it last published, and the digest of what it
-published (to tell uncommitted changes apart). The CLI finds a mount by its
-mount point. The mount process only serves the read-only lower view; commit,
-status and unmount run in the caller's process against the same store.
+This module owns what is done to a mount: putting overlayfs over the FUSE
+lower view, scanning the upper directories into change sets, publishing
+them, and tearing the mount down (and sweeping what dead steps left). What a
+mount is, its scratch directory and `state.json`, belongs to
+mount/state.py. The mount process only serves the read-only lower view;
+commit, status and unmount run in the caller's process against the same
+store.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import shutil
 import signal
 import subprocess
 import time
-import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 import blake3
 
-from strata.engine.errors import InvalidInput, NotFound
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.objects import K_DIR, Entry, FileNode, packb
 from strata.engine.tree import Trees, encode_name
@@ -47,165 +44,19 @@ from strata.mount.overlay import (
     unmount,
     unmount_under,
 )
+from strata.mount.state import MountState, VolumeState, scratch_root
 from strata.procs import alive
 
 MAX_INLINE_UPLOAD = 4 * 1024 * 1024
 
 
-def scratch_root() -> str:
-    return os.environ.get("STRATA_SCRATCH") or "/var/tmp/strata/mounts"
-
-
-@dataclass
-class VolumeState:
-    name: str          # subdirectory name (multi-volume mounts) or "" for a single volume
-    volume: str
-    branch: str
-    pinned: str        # the snapshot the lower view shows, for the mount's whole life
-    base: str          # the snapshot this mount last published (or pinned)
-    readonly: bool = False
-    # A step's image: writable through a layer that is thrown away, never committed,
-    # mounted beside the volumes (at the mount point's sibling "root"), not among them.
-    throwaway: bool = False
-    published: dict[str, str] = field(default_factory=dict)  # path -> digest, last commit
-
-
-@dataclass
-class MountState:
-    id: str
-    mountpoint: str
-    scratch: str
-    server: str | None
-    volumes: list[VolumeState]
-    single: bool = True
-    pid: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def lower(self) -> str:
-        return os.path.join(self.scratch, "lower")
-
-    def upper(self, v: VolumeState) -> str:
-        # "rw": a filesystem of its own for the writes (a step's --disk), under scratch.
-        return os.path.join(self.scratch, self.extra.get("rw", ""), "upper", v.name or "_")
-
-    def work(self, v: VolumeState) -> str:
-        return os.path.join(self.scratch, self.extra.get("rw", ""), "work", v.name or "_")
-
-    def target(self, v: VolumeState) -> str:
-        if v.throwaway:
-            return os.path.join(os.path.dirname(self.mountpoint), "root")
-        return self.mountpoint if self.single else os.path.join(self.mountpoint, v.name)
-
-    @property
-    def committed(self) -> list[VolumeState]:
-        """The volumes a commit publishes: writable ones that are not a throwaway layer."""
-        return [v for v in self.volumes if not v.readonly and not v.throwaway]
-
-    def index(self, v: VolumeState) -> str:
-        """The volume's stat cache (mount/statcache.py): what its last commit read."""
-        return os.path.join(self.scratch, "index", v.name or "_")
-
-    def lower_of(self, v: VolumeState) -> str:
-        return self.lower if self.single else os.path.join(self.lower, v.name)
-
-    def save(self) -> None:
-        # It may hold a bearer token: owner-only, like the directory around it.
-        tmp = os.path.join(self.scratch, "state.json.tmp")
-        # Fields one level deep, by hand: asdict() copies every published digest
-        # recursively, and with indent json wrote one line per digest (together
-        # a quarter of a second of each commit with 20k published files).
-        doc = {f.name: getattr(self, f.name) for f in fields(self)}
-        doc["volumes"] = [{f.name: getattr(v, f.name) for f in fields(v)} for v in self.volumes]
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(json.dumps(doc, separators=(",", ":")))
-        os.rename(tmp, os.path.join(self.scratch, "state.json"))
-
-    @classmethod
-    def load(cls, scratch: str) -> MountState:
-        with open(os.path.join(scratch, "state.json")) as f:
-            raw = json.load(f)
-        raw["volumes"] = [VolumeState(**v) for v in raw["volumes"]]
-        return cls(**raw)
-
-
-def new_state(mountpoint: str, server: str | None, volumes: list[VolumeState],
-              single: bool, extra: dict[str, Any] | None = None, *,
-              save: bool = True) -> MountState:
-    """A new scratch directory and its state; `save=False` leaves state.json to the caller.
-
-    (A scratch without state.json is never swept: nobody can tell whose it is.)
-    """
-    mid = uuid.uuid4().hex[:12]
-    root = scratch_root()
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    scratch = os.path.join(root, mid)
-    os.mkdir(scratch, 0o700)  # state.json (a token), the upper directory: owner only
-    os.makedirs(os.path.join(scratch, "lower"), mode=0o700)
-    for v in volumes:
-        os.makedirs(os.path.join(scratch, "upper", v.name or "_"), mode=0o755)
-        os.makedirs(os.path.join(scratch, "work", v.name or "_"), mode=0o700)
-    state = MountState(mid, os.path.realpath(mountpoint), scratch, server, volumes, single,
-                       os.getpid(), dict(extra or {}))
-    if save:
-        state.save()
-    return state
-
-
-@dataclass(frozen=True)
-class MountRef:
-    """One REF of `strata mount`, parsed: NAME=VOLUME[@BRANCH|#SNAPSHOT][:ro]."""
-
-    name: str             # the subdirectory asked for ("" for the volume's name)
-    volume: str
-    branch: str | None    # None: a snapshot
-    snapshot: str | None  # a snapshot id or unique prefix
-    ro: bool = False
-
-
-def mount_volumes(store: Any, refs: list[MountRef], *, ro: bool, single: bool
-                  ) -> list[VolumeState]:
-    """What each REF mounts, resolved to snapshots now (`store` is a RemoteStore)."""
-    scope = store.whoami()
-    vols: list[VolumeState] = []
-    for ref in refs:
-        readonly = ro or ref.ro or not scope.get("writable", True)
-        if ref.branch is None and not readonly:
-            raise InvalidInput(f"{ref.volume}#{ref.snapshot}: a writable mount needs a branch "
-                               "(VOLUME or VOLUME@BRANCH); add :ro or --ro to mount a snapshot")
-        if ref.snapshot is not None:
-            store.list_branches(ref.volume)  # the volume must exist
-            sid = store.find_snapshot(ref.snapshot)
-        else:
-            sid = store.head(ref.volume, ref.branch or "live")
-        label = "" if single else (ref.name or ref.volume)
-        if not single and label in {v.name for v in vols}:
-            raise InvalidInput(f"two volumes would appear as {label!r}; name them NAME=REF")
-        vols.append(VolumeState(label, ref.volume, ref.branch or "", sid, sid,
-                                readonly=readonly))
-    return vols
-
-
-def find_mount(mountpoint: str) -> MountState:
-    """The state of the strata mount at (or containing, for multi-volume) `mountpoint`."""
-    real = os.path.realpath(mountpoint)
-    root = scratch_root()
-    if os.path.isdir(root):
-        for mid in os.listdir(root):
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                st = MountState.load(os.path.join(root, mid))
-                if st.mountpoint == real:
-                    return st
-    raise NotFound(f"{mountpoint} is not a strata mount")
-
-
 def mount_overlays(state: MountState) -> None:
     """Put overlayfs over the FUSE view for every writable volume (FUSE must be up)."""
     done: list[str] = []
-    step = "run" in state.extra
+    step = state.is_step
     # Setuid bits and device nodes are bytes unless the mount was asked to honour
     # them (`strata mount --privileged`); a step's volumes never do.
-    guarded = step or not state.extra.get("privileged")
+    guarded = step or not state.privileged
     secure = MS_NOSUID | MS_NODEV if guarded else 0
     try:
         if not state.single:
@@ -257,14 +108,14 @@ def scan_volume(store: Store, state: MountState, v: VolumeState, *,
     known: statcache.StatCache | None = None
     stamp_ns = None
     if cache:
-        index = state.index(v)
+        index = state.statcache_path(v)
         os.makedirs(os.path.dirname(index), mode=0o700, exist_ok=True)
         now, dev = statcache.fs_now(os.path.dirname(index))
         if dev == os.lstat(upper).st_dev:  # else its clock is not the upper files' clock
             stamp_ns = now
             known = statcache.load(index, volume=v.volume, pinned=v.pinned, base=v.base)
     scan = UpperScanner(trees, lower_root, store.block_size, known,
-                        int(state.extra.get("id_shift", 0))).scan(upper)
+                        state.id_shift).scan(upper)
     scan.stamp_ns = stamp_ns
     scan.known = known
     scan.cache_ignored = known.ignored if known is not None else ""
@@ -275,8 +126,8 @@ def entry_digest(e: Entry | None) -> str:
     return blake3.blake3(packb(None if e is None else e.to_list())).hexdigest()[:24]
 
 
-def pending(store: Store, state: MountState, v: VolumeState, *, cache: bool = True
-            ) -> tuple[dict[str, Entry | None], Scan]:
+def uncommitted_changes(store: Store, state: MountState, v: VolumeState, *,
+                        cache: bool = True) -> tuple[dict[str, Entry | None], Scan]:
     """What this volume's next commit publishes: changes since its last commit.
 
     The upper directory describes the mount against the pinned snapshot; what
@@ -321,7 +172,7 @@ def pending(store: Store, state: MountState, v: VolumeState, *, cache: bool = Tr
     again = [e.ref for p, e in changes.items()
              if p in scan.cached and e is not None and e.ref is not None]
     if again and store.missing(again):
-        return pending(store, state, v, cache=False)
+        return uncommitted_changes(store, state, v, cache=False)
     return changes, scan
 
 
@@ -378,7 +229,7 @@ def commit(store: Store, state: MountState, *, message: str = "",
     """
     t0 = time.monotonic()
     todo = [v for v in state.committed if names is None or v.name in names]
-    work = [(v, *pending(store, state, v, cache=remember)) for v in todo]
+    work = [(v, *uncommitted_changes(store, state, v, cache=remember)) for v in todo]
     changesets = []
     objects: dict[bytes, ObjectSet] = {}  # id -> the scan that can read it
     for v, changes, scan in work:
@@ -399,8 +250,8 @@ def commit(store: Store, state: MountState, *, message: str = "",
         if scan.stamp_ns is not None:
             # Before state.json: a crash in between leaves a cache made for a base
             # the state does not name yet, which the next scan ignores.
-            statcache.save(state.index(v), volume=v.volume, pinned=v.pinned, base=v.base,
-                           stamp_ns=scan.stamp_ns, files=_cache_rows(scan))
+            statcache.save(state.statcache_path(v), volume=v.volume, pinned=v.pinned,
+                           base=v.base, stamp_ns=scan.stamp_ns, files=_cache_rows(scan))
     if remember:
         state.save()  # a step's state is dropped with its scratch right after
     return CommitResult(published, sum(len(c) for _v, c, _s in work), sent,
@@ -480,7 +331,7 @@ def status(store: Store, state: MountState) -> dict[str, Any]:
         if v.readonly:
             out[v.name or v.volume] = {"readonly": True, "changes": [], "uncommitted": []}
             continue
-        changes, scan = pending(store, state, v)
+        changes, scan = uncommitted_changes(store, state, v)
         out[v.name or v.volume] = {
             "volume": v.volume, "branch": v.branch, "pinned": v.pinned, "base": v.base,
             "changes": scan.summary(), "uncommitted": sorted(changes),
@@ -491,7 +342,7 @@ def status(store: Store, state: MountState) -> dict[str, Any]:
 
 
 def has_uncommitted(store: Store, state: MountState) -> bool:
-    return any(pending(store, state, v)[0] for v in state.committed)
+    return any(uncommitted_changes(store, state, v)[0] for v in state.committed)
 
 
 def teardown(state: MountState, *, lazy: bool = False) -> None:
@@ -515,9 +366,8 @@ def teardown(state: MountState, *, lazy: bool = False) -> None:
                 os.kill(state.pid, signal.SIGTERM)
     if not state.single and is_mountpoint(state.mountpoint):
         unmount(state.mountpoint, lazy=True)  # the tmpfs holding DIR/NAME
-    stage = state.extra.get("stage")
-    if isinstance(stage, str) and stage:
-        remove_stage(stage)
+    if state.stage:
+        remove_stage(state.stage)
     _unmount_rw(state)
     shutil.rmtree(state.scratch, ignore_errors=True)
 
@@ -542,14 +392,14 @@ def limit_writes(state: MountState, size: int) -> None:
             raise MountError(f"making the step's {size}-byte disk: {argv[0]}: "
                              f"{p.stderr.strip()}")
     os.chmod(rw, 0o700)
-    state.extra["rw"] = "rw"
+    state.rw = "rw"
     for v in state.volumes:
         os.makedirs(state.upper(v), mode=0o755)
         os.makedirs(state.work(v), mode=0o700)
 
 
 def _unmount_rw(state: MountState) -> None:
-    if state.extra.get("rw"):
+    if state.rw:
         rw = os.path.join(state.scratch, "rw")
         if is_mountpoint(rw):
             with contextlib.suppress(MountError):
@@ -596,17 +446,15 @@ def sweep_abandoned_steps(root: str | None = None) -> list[str]:
                 continue
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        runner = st.extra.get("runner")
-        if "run" not in st.extra or not isinstance(runner, int):
+        if not st.is_step or not st.runner:
             continue
-        if alive(runner) or (st.pid and alive(st.pid)):
+        if alive(st.runner) or (st.pid and alive(st.pid)):
             continue
         _unmount_rw(st)  # a --disk filesystem: nobody else can be using it now
         if any(mp == scratch or mp.startswith(scratch + "/") for mp in mount_points()):
             continue
-        stage = st.extra.get("stage")
-        if isinstance(stage, str) and stage:
-            remove_stage(stage)
+        if st.stage:
+            remove_stage(st.stage)
         shutil.rmtree(scratch, ignore_errors=True)
         removed.append(scratch)
     return removed

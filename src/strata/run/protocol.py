@@ -214,7 +214,7 @@ def _check_common(raw: dict[str, Any]) -> None:
 def _check_mount(raw: dict[str, Any]) -> dict[str, Any]:
     """A `mount --background` request: REFs as [name, volume, branch, snapshot, ro]."""
     from strata.engine.names import check_branch, check_hex_id, check_volume
-    from strata.mount.session import MountRef
+    from strata.mount.state import MountRef
     known = {"v", "op", "refs", "target", "ro", "single", "privileged", "env", "cwd", "umask"}
     extra = set(raw) - known
     if extra:

@@ -27,18 +27,15 @@ from strata.mount.cache import trim_if_due
 from strata.mount.overlay import unmount_under
 from strata.mount.session import (
     SWEEP_AFTER,
-    MountState,
-    VolumeState,
     commit,
     limit_writes,
-    new_state,
-    pending,
     remove_stage,
-    scratch_root,
     sweep_abandoned_steps,
     teardown,
+    uncommitted_changes,
     upload_changes,
 )
+from strata.mount.state import MountState, VolumeState, new_state, scratch_root
 from strata.procs import alive
 from strata.run.identity import STEPS_DIR, IdRange, UserNamespace, idmapped_mount, make_stage
 from strata.run.sandbox import DEFAULT_PIDS, Jail, build_command, run_command
@@ -232,13 +229,13 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         jail.open()
         storage = os.path.join(jail.stage, "storage")
         os.mkdir(storage, 0o755)
-        extra: dict[str, Any] = {"run": run_id, "runner": os.getpid(), "stage": jail.stage}
-        if jail.id_base:
-            extra["id_shift"] = jail.id_base  # the mount shows owners as the step's ids
-        state = st = new_state(storage, store.url, vols, single=False, extra=extra, save=False)
+        state = st = new_state(storage, store.url, vols, single=False, save=False)
+        st.run, st.runner, st.stage = run_id, os.getpid(), jail.stage
+        # The mount shows owners as the step's ids.
+        st.id_shift = jail.id_base or 0
         if disk is not None:
             limit_writes(st, disk)  # the step's writes on a filesystem of that size
-        st.extra["token"] = store.token
+        st.token = store.token
         st.save()
         error = mounter.start_mount(st, dict(os.environ) if mounter_env else None)
         if error is not None:
@@ -261,7 +258,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
 
         def started(pgid: int) -> None:
             # The mount process kills this group if the runner dies before it ends.
-            st.extra["pgid"] = pgid
+            st.pgid = pgid
             st.save()
 
         try:
@@ -270,7 +267,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         finally:
             jail.started()
         t2 = time.monotonic()
-        state.extra.pop("pgid", None)
+        state.pgid = 0
         state.save()
         result.timings["command"] = t2 - t1
         result.status, result.timed_out, result.oom = (outcome.status, outcome.timed_out,
@@ -582,7 +579,7 @@ def _keep_rejected(store: Store, state: MountState, result: StepResult, msg: str
     """Publish the refused change sets on rejected/<run-id>, from the snapshots they saw."""
     branch = f"rejected/{result.run_id}"
     for v in state.committed:
-        changes, scan = pending(store, state, v, cache=False)
+        changes, scan = uncommitted_changes(store, state, v, cache=False)
         if not changes:
             continue
         with contextlib.suppress(StrataError):

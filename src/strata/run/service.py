@@ -409,7 +409,7 @@ def _mount(conn: socket.socket, req: dict[str, Any], store_dir: str, mounter: Pr
     made in the CLI's own process does; so this worker finishes what it
     began even if its client goes away.
     """
-    from strata.mount.session import mount_volumes, new_state
+    from strata.mount.state import mount_volumes, new_state
     from strata.server.client import RemoteStore, default_socket
     if not _send(conn, {"event": "accepted"}):
         return 1
@@ -424,12 +424,11 @@ def _mount(conn: socket.socket, req: dict[str, Any], store_dir: str, mounter: Pr
         finally:
             store.close()
         state = new_state(req["target"], url, vols, single=req["single"])
-        if req["privileged"]:
-            state.extra["privileged"] = True
+        state.privileged = bool(req["privileged"])
         # As cmd_mount: the mount keeps the store's server from idling, and commit,
         # status and unmount start it again if it is gone.
-        state.extra["store"] = store_dir
-        state.extra["keepalive"] = keepalive_every()
+        state.store = store_dir
+        state.keepalive = keepalive_every()
         state.save()
         error = mounter.start_mount(state, dict(os.environ), watch=False)
     except (StrataError, OSError, ValueError) as exc:

@@ -27,6 +27,7 @@ from strata.engine.errors import (
     NotFound,
     StrataError,
     Unavailable,
+    WritesDropped,
 )
 from strata.engine.interface import ChangeSet, Store
 from strata.mount import mountinfo
@@ -36,10 +37,6 @@ from strata.workspace.ext4 import abort_fuse, fuse_connections, release_device
 from strata.workspace.state import Attached, attached, fenced_note
 
 log = logging.getLogger(__name__)
-
-
-class WritesDropped(StrataError):
-    """A detach found the attach fenced: what was written after that is not in the store."""
 
 
 def _ask(att: Attached, request: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:

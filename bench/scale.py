@@ -288,12 +288,15 @@ def measure(work: str, label: str, objects: int, *, window: float, publishes: in
         res.payload_bytes = int(window) * len(payload)
         res.bucket_added = _bytes(after) - _bytes(before)
         res.change_bytes = after_st["bytes_written"] - before_st["bytes_written"]
-        res.checkpoints = after.get("checkpoints", (0, 0))[0] - before.get("checkpoints", (0, 0))[0]
-        cp_bytes = sum(after.get(k, (0, 0))[1] - before.get(k, (0, 0))[1]
-                       for k in ("checkpoints", "runs"))
+        # From the tier's own counters: old checkpoints, runs and tables leave the bucket,
+        # so a listing no longer counts what was written.
+        b0, b1 = before_st["bucket"], after_st["bucket"]
+        res.checkpoints = b1["checkpoints"] - b0["checkpoints"]
+        cp_bytes = b1.get("checkpoint_bytes_total", 0) - b0.get("checkpoint_bytes_total", 0)
         res.per_checkpoint = cp_bytes / res.checkpoints if res.checkpoints else 0.0
         runs = after.get("runs", (0, 0))
-        res.runs_left = max(0, runs[0] - 1)  # all but the newest checkpoint's
+        # Parts the newest checkpoint does not name (older stores: every run but one).
+        res.runs_left = max(0, runs[0] - int(b1.get("index_parts", 1)))
         res.runs_left_bytes = runs[1]
 
         if smaller is None or not too_long(smaller.gc_first_s):

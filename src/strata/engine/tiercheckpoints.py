@@ -174,7 +174,9 @@ class Checkpoints(TierState):
         self.stats["checkpoints"] += 1
         self.stats["checkpoint_bytes"] = len(data) + sum(
             self._written_bytes.pop(n, 0) for n in list(self._written_bytes))
+        self.stats["checkpoint_bytes_total"] += self.stats["checkpoint_bytes"]
         self.stats["index_runs"] = len(runs_of(parts))
+        self.stats["index_parts"] = len(parts)
         self.stats["last_checkpoint"] = time.time()
         _log.info("checkpoint %s: applied %s, %d change(s)%s, %d run(s), %d pack(s) in the "
                   "bucket, log from %d", name, tuple(tables["applied"]), len(changes),

@@ -113,7 +113,8 @@ class TierState(PackStore):
                       "last_checkpoint": 0.0, "last_ship": 0.0, "max_unshipped_ms": 0.0,
                       "outages": 0, "evicted": 0, "evicted_bytes": 0, "fetched_back": 0,
                       "index_entries_hydrated": 0, "packs_deleted": 0,
-                      "index_objects_deleted": 0, "checkpoint_bytes": 0, "index_runs": 0}
+                      "index_objects_deleted": 0, "checkpoint_bytes": 0, "index_runs": 0,
+                      "checkpoint_bytes_total": 0, "index_parts": 0}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fence_thread: threading.Thread | None = None

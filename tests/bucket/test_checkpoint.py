@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import blake3
@@ -14,12 +15,12 @@ from strata.engine.bucket import Bucket, frame_record
 from strata.engine.checkpoint import (
     BLOCK_ENTRIES,
     CHECKPOINT_MAGIC,
+    ENTRY,
+    RUN_MAGIC,
     Checkpoint,
     Part,
     PartReader,
-    RunReader,
     encode_part,
-    encode_run,
     merged,
 )
 from strata.engine.errors import Corrupt
@@ -29,6 +30,23 @@ from strata.engine.index import Loc
 def _entries(n: int) -> list[tuple[bytes, tuple[int, int, int, int]]]:
     ids = sorted(os.urandom(32) for _ in range(n))
     return [(oid, (i % 7 + 1, i * 100, 90 + i % 5, i % 4 + 1)) for i, oid in enumerate(ids)]
+
+
+def encode_run(entries: list[tuple[bytes, Loc]]) -> tuple[bytes, list[bytes], int]:
+    """A version 1 run, as strata wrote before checkpoint version 4: (bytes, fences, count)."""
+    out = bytearray(RUN_MAGIC + bytes([1]))
+    fences = []
+    for first in range(0, len(entries), BLOCK_ENTRIES):
+        block = b"".join(ENTRY.pack(oid, *loc) for oid, loc in entries[first:first + BLOCK_ENTRIES])
+        fences.append(entries[first][0])
+        out += block + blake3.blake3(block).digest()
+    return bytes(out), fences, len(entries)
+
+
+def RunReader(name: str, fences: list[bytes], entries: int,  # noqa: N802 - as it was
+              read: Callable[[int, int], bytes]) -> PartReader:
+    """A version 1 run, read as a restore reads one from an old checkpoint."""
+    return PartReader(Part(name, 0, 0, entries, fences[0], b"".join(fences), version=1), read)
 
 
 def test_a_checkpoint_round_trips_and_refuses_damage() -> None:
@@ -117,11 +135,11 @@ def test_every_id_is_found_with_one_block_read(tmp_path: Path, n: int) -> None:
     reader = RunReader("runs/r", fences, count, read)
     for oid, loc in random.sample(entries, min(n, 200)):
         reads.clear()
-        got, block = reader.lookup(oid)
-        assert got == loc and len(reads) == 1 and (oid, loc) in block
+        found, got, block = reader.lookup(oid)
+        assert found and got == loc and len(reads) == 1 and (oid, loc) in block
     for _ in range(50):
         reads.clear()
-        assert reader.lookup(os.urandom(32))[0] is None and len(reads) <= 1
+        assert reader.lookup(os.urandom(32))[0] is False and len(reads) <= 1
 
 
 def test_a_damaged_block_names_the_run(tmp_path: Path) -> None:
@@ -135,4 +153,4 @@ def test_a_damaged_block_names_the_run(tmp_path: Path) -> None:
                        lambda s, e: bucket.get_range("runs/r", s, e))
     with pytest.raises(Corrupt, match="runs/r"):
         reader.lookup(entries[5][0])
-    assert reader.lookup(entries[-1][0])[0] == entries[-1][1]  # block 1 is intact
+    assert reader.lookup(entries[-1][0])[1] == entries[-1][1]  # block 1 is intact

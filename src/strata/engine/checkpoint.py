@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,28 +207,6 @@ def read_table(ref: tuple[str, bytes], kind: str, get: Callable[[str], bytes]) -
     return body["rows"]
 
 
-def encode_run(entries: Iterable[tuple[bytes, Loc]]) -> tuple[bytes, list[bytes], int]:
-    """A version 1 run from entries sorted by id: (bytes, fences, entry count).
-
-    Kept for the tests of old checkpoints; strata writes version 2 parts (`encode_part`).
-    """
-    out = bytearray(RUN_MAGIC + bytes([1]))
-    fences: list[bytes] = []
-    block = bytearray()
-    count = 0
-    for oid, loc in entries:
-        if count % BLOCK_ENTRIES == 0:
-            if block:
-                out += block + blake3.blake3(block).digest()
-                block = bytearray()
-            fences.append(oid)
-        block += ENTRY.pack(oid, *loc)
-        count += 1
-    if block:
-        out += block + blake3.blake3(block).digest()
-    return bytes(out), fences, count
-
-
 Entry = tuple[bytes, Loc | None]  # None: a tombstone
 
 
@@ -314,24 +292,15 @@ class PartReader:
         if i is None:
             return False, None, []
         block = self.read_block(i)
-        ids = [e[0] for e in block]
-        j = bisect.bisect_left(ids, oid)
-        if j < len(ids) and ids[j] == oid:
-            return True, block[j][1], block
-        return False, None, block
+        return (*find_in_block(block, oid), block)
 
 
-class RunReader(PartReader):
-    """A version 1 run given by its fences (the tests of old checkpoints read these)."""
-
-    def __init__(self, name: str, fences: list[bytes], entries: int,
-                 read_range: Callable[[int, int], bytes]) -> None:
-        super().__init__(Part(name, 0, 0, entries, fences[0] if fences else b"\0" * 32,
-                              b"".join(fences), version=1), read_range)
-
-    def lookup(self, oid: bytes) -> tuple[Loc | None, list[Entry]]:  # type: ignore[override]
-        _found, loc, block = super().lookup(oid)
-        return loc, block
+def find_in_block(block: list[Entry], oid: bytes) -> tuple[bool, Loc | None]:
+    """Whether a block (sorted by id) has `oid`, and its location (None: a tombstone)."""
+    j = bisect.bisect_left(block, oid, key=lambda e: e[0])
+    if j < len(block) and block[j][0] == oid:
+        return True, block[j][1]
+    return False, None
 
 
 def runs_of(parts: list[Part]) -> list[list[Part]]:

@@ -171,19 +171,6 @@ class Index:
             for k, v in txn.cursor():
                 yield bytes(k), make(unpack(v))
 
-    def checkpoint_tables(self, take_objects: Callable[[Iterator[tuple[bytes, Loc]]], Any]
-                          ) -> tuple[Any, dict[str, Any]]:
-        """Every table at one instant: `take_objects` consumes the sorted object index.
-
-        Returns what it returned, and the rest: applied position, volumes (name
-        -> id), refs, and the leases table's raw rows.
-        """
-        with self.env.begin() as txn:
-            got = take_objects((bytes(k), _loc(LOC.unpack(v)))
-                               for k, v in txn.cursor(db=self.objects))
-            tables = self._tables(txn)
-        return got, tables
-
     def _tables(self, txn: lmdb.Transaction) -> dict[str, Any]:
         v = txn.get(b"applied", db=self.meta)
         return {
@@ -197,14 +184,14 @@ class Index:
             "policies": [[bytes(k), bytes(x)] for k, x in txn.cursor(db=self.policies)],
         }
 
-    def checkpoint_view(self, take_all: Callable[[Iterator[tuple[bytes, Loc]]], Any] | None
-                        ) -> tuple[list[tuple[bytes, Loc | None, bytes]], dict[str, Any],
-                                   str | None, Any]:
+    def checkpoint_view(self, take_all: Callable[[Iterator[tuple[bytes, Loc]]], None] | None
+                        ) -> tuple[list[tuple[bytes, Loc | None, bytes]], dict[str, Any]]:
         """Every table at one instant, with what changed since meta `cp-base`.
 
-        Returns the changes (id, location or None if dropped, change counter),
-        the tables as `checkpoint_tables` gives them, `cp-base`, and what
-        `take_all` (if given) returned from consuming the whole object index.
+        Returns the changes (id, location or None if dropped, change counter)
+        and the tables (applied position, volumes, refs, leases, expired,
+        policies); `take_all`, if given, consumes the whole object index in
+        the same transaction.
         """
         with self.env.begin() as txn:
             changes: list[tuple[bytes, Loc | None, bytes]] = []
@@ -212,11 +199,10 @@ class Index:
                 v = txn.get(k, db=self.objects)
                 changes.append((bytes(k), _loc(LOC.unpack(v)) if v is not None else None,
                                 bytes(mark)))
-            base = txn.get(b"cp-base", db=self.meta)
             tables = self._tables(txn)
-            took = None if take_all is None else take_all(
-                (bytes(k), _loc(LOC.unpack(v))) for k, v in txn.cursor(db=self.objects))
-        return changes, tables, bytes(base).decode() if base is not None else None, took
+            if take_all is not None:
+                take_all((bytes(k), _loc(LOC.unpack(v))) for k, v in txn.cursor(db=self.objects))
+        return changes, tables
 
     def checkpoint_done(self, taken: Iterable[tuple[bytes, bytes]], base: str) -> None:
         """Checkpoint `base` holds `taken` (id, counter): forget each unless changed since."""

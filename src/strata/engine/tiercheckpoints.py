@@ -111,7 +111,7 @@ class Checkpoints(TierState):
         def take_all(entries: Iterator[tuple[bytes, Loc]]) -> None:
             written.extend(self._write_run(((k, v) for k, v in entries), 0, stamp))
 
-        changes, tables, _base, _took = self._index.checkpoint_view(take_all if full else None)
+        changes, tables = self._index.checkpoint_view(take_all if full else None)
         # Everything up to `applied` was written before this point: ship it first.
         self.ship()
         with self._lock:
@@ -187,8 +187,7 @@ class Checkpoints(TierState):
     def _write_run(self, entries: Iterable[tuple[bytes, Loc | None]], level: int, stamp: str
                    ) -> list[Part]:
         """Upload sorted `entries` as a new run's parts (none if there are no entries)."""
-        run = 1 + max((p.run for p in self._manifest), default=0)
-        run = max(run, self._next_run)
+        run = self._next_run  # above every run of the manifest (tierstate.py)
         parts: list[Part] = []
         batch: list[tuple[bytes, Loc | None]] = []
 

@@ -15,7 +15,7 @@ import bisect
 import logging
 from collections.abc import Iterator
 
-from strata.engine.checkpoint import BLOCK_ENTRIES, Entry, merged
+from strata.engine.checkpoint import BLOCK_ENTRIES, Entry, find_in_block, merged
 from strata.engine.index import Loc
 from strata.engine.tierstate import TierState
 
@@ -65,8 +65,8 @@ class Hydration(TierState):
         runs = self._inherited_index
         if runs is None:
             return None, []
-        for run in runs:
-            i = bisect.bisect_right([r.part.first for r in run], oid) - 1
+        for run, firsts in zip(runs, self._inherited_firsts, strict=True):
+            i = bisect.bisect_right(firsts, oid) - 1
             if i < 0:
                 continue
             reader = run[i]
@@ -82,10 +82,8 @@ class Hydration(TierState):
                     self._inherited_blocks.popitem(last=False)
             else:
                 self._inherited_blocks.move_to_end(key)
-            ids = [e[0] for e in block]
-            j = bisect.bisect_left(ids, oid)
-            if j < len(ids) and ids[j] == oid:
-                loc = block[j][1]
+            found, loc = find_in_block(block, oid)
+            if found:
                 if loc is None:
                     return None, []  # dropped: older runs' word no longer counts
                 keep = [(k, v) for k, v in block if v is not None] if len(runs) == 1 else [

@@ -83,6 +83,9 @@ class TierState(PackStore):
             self._inherited_index = [
                 [PartReader(p, self._ranged(p.name)) for p in run]
                 for run in runs_of(self._manifest)]
+        # Each inherited run's parts' first ids, for a lookup to pick the part.
+        self._inherited_firsts = [[r.part.first for r in run]
+                                  for run in self._inherited_index or []]
         self._inherited_blocks: collections.OrderedDict[tuple[str, int], list[Entry]] = \
             collections.OrderedDict()
         # The local directory, as the tier sees it: which packs are there, which reads

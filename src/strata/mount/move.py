@@ -156,7 +156,7 @@ def using(state: MountState) -> list[str]:
 
 
 def _overlay_flags(state: MountState) -> int:
-    return 0 if state.privileged else MS_NOSUID | MS_NODEV
+    return MS_NOSUID | MS_NODEV if state.guarded else 0
 
 
 def _freeze(state: MountState) -> list[str]:

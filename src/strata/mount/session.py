@@ -54,9 +54,7 @@ def mount_overlays(state: MountState) -> None:
     """Put overlayfs over the FUSE view for every writable volume (FUSE must be up)."""
     done: list[str] = []
     step = state.is_step
-    # Setuid bits and device nodes are bytes unless the mount was asked to honour
-    # them (`strata mount --privileged`); a step's volumes never do.
-    guarded = step or not state.privileged
+    guarded = state.guarded
     secure = MS_NOSUID | MS_NODEV if guarded else 0
     try:
         if not state.single:

@@ -70,6 +70,15 @@ class MountState:
         return bool(self.run)
 
     @property
+    def guarded(self) -> bool:
+        """Setuid bits and device nodes are only bytes (nosuid,nodev) on its volumes.
+
+        Unless the mount was asked to honour them (`strata mount --privileged`);
+        a step's volumes never do.
+        """
+        return self.is_step or not self.privileged
+
+    @property
     def lower(self) -> str:
         return os.path.join(self.scratch, "lower")
 

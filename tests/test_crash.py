@@ -194,7 +194,11 @@ def test_new_pack_without_its_header_is_dropped_on_open(tmp_path: Path, length: 
 
 def _flip_block_of(store_dir: Path, block: bytes) -> tuple[str, int]:
     """Flip one bit inside the stored record of `block`; return (pack name, offset)."""
-    oid = object_id(BLOCK, block)
+    return flip_record_of(store_dir, object_id(BLOCK, block))
+
+
+def flip_record_of(store_dir: Path, oid: bytes) -> tuple[str, int]:
+    """Flip one bit inside the stored record of object `oid`; return (pack name, offset)."""
     for path in packs(store_dir):
         for rec in packfmt.scan(str(path)).records:
             if rec.rtype == packfmt.R_OBJECT and rec.payload[1:33] == oid:
@@ -205,7 +209,7 @@ def _flip_block_of(store_dir: Path, block: bytes) -> tuple[str, int]:
                     f.seek(at)
                     f.write(bytes([byte ^ 0x10]))
                 return path.name, rec.offset
-    raise AssertionError("block record not found")
+    raise AssertionError("record not found")
 
 
 def test_flipped_bit_is_reported_naming_pack_and_offset(tmp_path: Path) -> None:

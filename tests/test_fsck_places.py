@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from strata.engine import pack as packfmt
 from strata.engine.local import LocalStore, init_store
 from strata.engine.objects import BLOCK, object_id
 from strata.engine.txn import Transaction
+from test_crash import flip_record_of
 
 STRATA = [sys.executable, "-m", "strata"]
 COPIES = 25  # identical files in a second volume: more places than fsck shows (20)
@@ -34,21 +34,6 @@ def _strata(store: Path, *args: str, rc: int = 0) -> str:
                        text=True, timeout=120)
     assert p.returncode == rc, (args, p.returncode, p.stdout, p.stderr)
     return p.stdout
-
-
-def _flip_record_of(store_dir: Path, oid: bytes) -> tuple[str, int]:
-    """Flip one bit inside the stored record of object `oid`; return (pack, offset)."""
-    for path in sorted((store_dir / "packs").glob("*.pack")):
-        for rec in packfmt.scan(str(path)).records:
-            if rec.rtype == packfmt.R_OBJECT and rec.payload[1:33] == oid:
-                at = rec.offset + packfmt.FRAME_SIZE + packfmt.OBJ_HEAD_SIZE + 1000
-                with open(path, "r+b") as f:
-                    f.seek(at)
-                    byte = f.read(1)[0]
-                    f.seek(at)
-                    f.write(bytes([byte ^ 0x10]))
-                return path.name, rec.offset
-    raise AssertionError("record not found")
 
 
 @pytest.fixture
@@ -82,7 +67,7 @@ def damaged(tmp_path: Path) -> Iterator[dict[str, Any]]:
         t.commit("copies")
         bs = s.block_size
     block = object_id(BLOCK, victim[bs:2 * bs])
-    pack, offset = _flip_record_of(store, block)
+    pack, offset = flip_record_of(store, block)
     yield {"store": store, "block": block.hex(), "pack": pack, "offset": offset,
            "s1": s1, "s2": s2, "s3": s3}
     _strata(store, "serve", "--stop")

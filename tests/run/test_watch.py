@@ -28,14 +28,23 @@ def _wait(cond: Any, timeout: float) -> bool:
     return bool(cond())
 
 
-def test_watch_json_sees_every_publish_once_in_order(senv: StepEnv) -> None:
-    watch = subprocess.Popen([*STRATA, "watch", "v", "--json"], env=senv.env,
+def _watching(env: dict[str, str]) -> tuple[subprocess.Popen[str], list[dict[str, Any]]]:
+    """`strata watch v --json` running, its events gathered as they come, once it said hello."""
+    watch = subprocess.Popen([*STRATA, "watch", "v", "--json"], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     events: list[dict[str, Any]] = []
-    t = threading.Thread(target=_reader, args=(watch, events), daemon=True)
-    t.start()
+    threading.Thread(target=_reader, args=(watch, events), daemon=True).start()
     try:
         assert _wait(lambda: any(e["type"] == "hello" for e in events), 20), events
+    except BaseException:
+        watch.kill()
+        raise
+    return watch, events
+
+
+def test_watch_json_sees_every_publish_once_in_order(senv: StepEnv) -> None:
+    watch, events = _watching(senv.env)
+    try:
         start = events[0]["heads"]["v@live"]
         n = 8
         steps = [senv.start_step(["v"], ["sh", "-c", f'echo {i} > "$STRATA_STORAGE/v/f{i}"'])
@@ -73,13 +82,8 @@ def test_watch_json_sees_every_publish_once_in_order(senv: StepEnv) -> None:
 
 def test_failed_timed_out_and_oom_steps_appear_in_watch(senv: StepEnv) -> None:
     """They were missing from watch and the web view; CI dashboards show them."""
-    watch = subprocess.Popen([*STRATA, "watch", "v", "--json"], env=senv.env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    events: list[dict[str, Any]] = []
-    t = threading.Thread(target=_reader, args=(watch, events), daemon=True)
-    t.start()
+    watch, events = _watching(senv.env)
     try:
-        assert _wait(lambda: any(e["type"] == "hello" for e in events), 20), events
         failed = senv.step(["v"], ["sh", "-c", "echo x > $STRATA_STORAGE/v/f; exit 7"])
         slow = senv.step(["v"], ["sleep", "30"], "none", "--timeout", "0.5")
         assert (failed.rc, slow.rc) == (7, 124)
@@ -102,12 +106,8 @@ def test_a_watched_server_does_not_exit_when_idle(senv: StepEnv) -> None:
     env = {**senv.env, "STRATA_SERVER_IDLE_EXIT": "1"}
     senv.run("serve", "--stop")
     subprocess.run([*STRATA, "ls", "v"], env=env, check=True, capture_output=True)
-    watch = subprocess.Popen([*STRATA, "watch", "v", "--json"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    events: list[dict[str, Any]] = []
-    threading.Thread(target=_reader, args=(watch, events), daemon=True).start()
+    watch, events = _watching(env)
     try:
-        assert _wait(lambda: any(e["type"] == "hello" for e in events), 20), events
         epoch = events[0]["epoch"]
         time.sleep(4)  # four idle limits, and no request but the stream
         senv.run("put", "v", "late", input="x\n")

@@ -9,6 +9,7 @@ then dies with its mounts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -89,7 +90,8 @@ class Host:
     def freeze(self, sig: int = signal.SIGSTOP) -> None:
         for pid in self.processes():
             if pid != self.pid:
-                os.kill(pid, sig)
+                with contextlib.suppress(ProcessLookupError):  # a short one (`date`) ended
+                    os.kill(pid, sig)
 
     def lose(self) -> None:
         """Host loss: every process SIGKILLed at once, and the network gone.

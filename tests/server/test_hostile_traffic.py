@@ -177,11 +177,12 @@ def descriptors(need: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def refused(flood: list[socket.socket], at_least: int, within: float = 8.0) -> int:
+def refused(flood: list[socket.socket], at_least: int, within: float = 20.0) -> int:
     """How many of `flood` the server closed, waiting up to `within` s for `at_least`.
 
-    Connections beyond the listen backlog wait for the kernel's SYN retries,
-    so the last of them reach the server a few seconds late.
+    Connections beyond the listen backlog wait for the kernel's SYN retries
+    (after 1, 3, 7 and 15 s), so on a loaded machine the last of them reach
+    the server several seconds late.
     """
     deadline = time.monotonic() + within
     done: set[socket.socket] = set()

@@ -168,7 +168,7 @@ def test_references_to_objects_the_store_lacks_are_refused(tmp_path: Path) -> No
         with pytest.raises(InvalidInput, match="lacks"):  # as the server checks each batch
             s.check_tree_refs([(TREE, tree((b"d", entry_list(K_DIR, size=0, data=None,
                                                               ref=ghost))))])
-        node = FileNode(size=10, block_size=65536, blocks=(ghost,)).encode()
+        node = FileNode.v1(size=10, block_size=65536, blocks=(ghost,)).encode()
         s.put_objects([(FILENODE, node)])  # blocks may come in a later batch ...
         f = Entry(kind=K_FILE, size=10, ref=object_id(FILENODE, node))
         with pytest.raises(InvalidInput, match="lacks"):  # ... but a publish needs them

@@ -255,7 +255,7 @@ def test_a_streamed_body_over_the_limit_is_refused(env: Env) -> None:
 def test_truncated_uploads_store_and_publish_nothing(env: Env) -> None:
     before = env.state()
     blocks = [(BLOCK, os.urandom(50_000)) for _ in range(3)]
-    node = FileNode(size=150_000, block_size=65536,
+    node = FileNode.v1(size=150_000, block_size=65536,
                     blocks=tuple(object_id(k, r) for k, r in blocks)).encode()
     objs = [*blocks, (FILENODE, node)]
     ids = [object_id(k, r) for k, r in objs]
@@ -344,7 +344,7 @@ def test_an_entry_whose_size_differs_from_its_file_node_is_refused(env: Env) -> 
     """
     block = os.urandom(64)
     bid = object_id(BLOCK, block)
-    node = FileNode(size=256 << 20, block_size=65536,
+    node = FileNode.v1(size=256 << 20, block_size=65536,
                     blocks=(bid,) + (b"\0" * 32,) * 4095).encode()
     nid = object_id(FILENODE, node)
     objects = wire.encode_objects([(BLOCK, block), (FILENODE, node)])

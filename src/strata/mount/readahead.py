@@ -48,6 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from strata.engine.errors import Corrupt
+from strata.engine.filetree import CDC_MAX
 from strata.engine.interface import Store
 from strata.engine.objects import BLOCK
 from strata.mount.cache import ContentCache, matches
@@ -61,6 +62,10 @@ MAX_AHEAD = 256     # 16 MiB
 # 1 MiB or more on its own, and the page faults of a fresh mapping at each copy of a
 # large answer cost more than the extra requests.
 REQUEST_BYTES = 1024 * 1024 - 64 * 1024
+# Units a request covers: a window's chunks may run past its end by up to one
+# chunk (the one straddling the start came with the window before), so the
+# window leaves room for the largest chunk.
+PER_REQUEST = (REQUEST_BYTES - CDC_MAX) // UNIT
 WORKERS = 4
 HOT_LIMIT = 96 * 1024 * 1024
 WRITE_QUEUE_BYTES = 64 * 1024 * 1024
@@ -104,7 +109,7 @@ class ReadAhead:
         stream counts in units and asks the file's nodes which chunks they
         are). If `ids_in` raises, nothing is planned and the stream is as before.
         """
-        per_request = max(1, REQUEST_BYTES // UNIT)
+        per_request = PER_REQUEST
         units = -(-size // UNIT)
         with self._lock:
             s = self._streams.get(key)

@@ -259,3 +259,12 @@ def test_the_same_bytes_give_the_same_tree_whatever_wrote_them(store: LocalStore
     get = t.content.get_object
     same = set(ours.all_block_ids(get)) & set(theirs.all_block_ids(get))
     assert len(same) >= len(ours.all_block_ids(get)) - 2
+
+
+@given(st.binary(max_size=64))
+def test_any_bytes_decode_or_raise_value_error(raw: bytes) -> None:
+    for prefix in (b"", b"\x94", b"\x94\x02", b"\x94\x01"):
+        try:
+            FileNode.decode(prefix + raw)
+        except ValueError:
+            pass

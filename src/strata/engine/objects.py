@@ -194,7 +194,7 @@ class FileNode:
         is checked here, and a version 2 node is refused by its size before it
         is unpacked, so a hostile one never costs more than 64 KiB to decode.
         """
-        if raw[:1] == b"\x94" and raw[1:2] not in (b"\x01", b"\x02") and raw[1:2] < b"\x80":
+        if len(raw) >= 2 and raw[0] == 0x94 and raw[1] not in FILE_NODE_VERSIONS and raw[1] < 0x80:
             raise ValueError(f"file node format version {raw[1]} is not one this strata "
                              f"reads ({', '.join(map(str, FILE_NODE_VERSIONS))}); "
                              f"upgrade strata")

@@ -268,3 +268,15 @@ def test_any_bytes_decode_or_raise_value_error(raw: bytes) -> None:
             FileNode.decode(prefix + raw)
         except ValueError:
             pass
+
+
+def test_appends_make_the_chunks_of_the_whole_written_at_once(store: LocalStore) -> None:
+    data = random.Random(13).randbytes(1 << 20)
+    t = Transaction(store, "v")
+    whole = t.write("whole", data)
+    t.write("appended", b"")
+    for i in range(0, len(data), 16 * 1024):
+        t.write_at("appended", i, data[i:i + 16 * 1024])
+    appended = t.lookup("appended")
+    assert appended is not None and t.read("appended") == data
+    assert appended.ref == whole.ref  # the same chunks, so the same tree

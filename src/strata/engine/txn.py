@@ -169,6 +169,13 @@ class ContentWriter:
                 size = end
             spans = list(root.spans(offset, end, get))
             lo = spans[0][0] if spans[0][2] != ZERO_ID else offset
+            if offset and spans[0][2] == ZERO_ID and spans[0][0] == offset:
+                # Written right after a chunk (an append): cut that chunk again with the
+                # new bytes, so appends make the chunks of the whole written at once.
+                prev = next(root.spans(offset - 1, offset, get))
+                if prev[2] != ZERO_ID:
+                    spans.insert(0, prev)
+                    lo = prev[0]
             last = spans[-1]
             hi = last[0] + last[1] if last[2] != ZERO_ID else end
             buf = bytearray(hi - lo)

@@ -144,7 +144,7 @@ def file_chunks(path: str, size: int) -> Iterator[tuple[int, int, bytes | None]]
                     cuts = cuts[:-1]  # cut only because the window ended: re-cut with more
                 for c_off, n in cuts:
                     piece = buf[c_off:c_off + n]
-                    yield off + c_off, n, piece if any(piece) else None
+                    yield off + c_off, n, None if filetree.is_zero(piece) else piece
                 done = cuts[-1][0] + cuts[-1][1] if cuts else 0
                 carry = buf[done:]
                 off += done

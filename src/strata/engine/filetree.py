@@ -65,9 +65,14 @@ def chunk_entries(data: bytes | bytearray | memoryview, put_block: Callable[[byt
     view = memoryview(data)
     for off, n in cut(view):
         piece = bytes(view[off:off + n])
-        oid = ZERO_ID if not any(piece) else put_block(piece)
+        oid = ZERO_ID if is_zero(piece) else put_block(piece)
         append_entry(out, n, oid)
     return out
+
+
+def is_zero(data: bytes) -> bool:
+    """Whether `data` is all zero bytes (a memcmp, not a loop over bytes in Python)."""
+    return not data or (data[0] == 0 and data == bytes(len(data)))
 
 
 def append_entry(out: Entries, n: int, oid: bytes) -> None:

@@ -87,7 +87,7 @@ class ContentWriter:
         return objs
 
     def block(self, data: bytes) -> bytes:
-        if not any(data):
+        if filetree.is_zero(data):
             return ZERO_ID
         return self.add(BLOCK, data)
 

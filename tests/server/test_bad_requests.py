@@ -434,3 +434,20 @@ def test_bad_ranges_are_refused(env: Env) -> None:
                         ("items=0-1", 400), ("bytes=99999999-", 416)):
         got, reply = env.raw("GET", f"/v1/objects/{oid}", headers={"Range": rng})
         assert got == status and reply["message"], (rng, got, reply)
+
+
+@pytest.mark.usefixtures("unchanged")
+@pytest.mark.parametrize("body, why", [
+    ([2, 5, 0, [[4, b"x" * 32]]], "add up"),
+    ([2, 4, 1, [[4, bytes(32)]]], "hole as a child"),
+    ([2, 1, 0, [[1, b"x" * 32]] + [[0, b"x" * 32]] * 511], "length > 0"),
+    ([3, 4, 0, [[4, b"x" * 32]]], "upgrade strata"),
+])
+def test_hostile_version_2_file_nodes_are_refused_on_upload(env: Env, body: list[object],
+                                                            why: str) -> None:
+    raw = packb(body)
+    env.refused("POST", "/v1/objects", wire.encode_objects([(FILENODE, raw)]),
+                "application/octet-stream", match=why)
+    big = b"\x94\x02" + bytes(70_000)  # refused by its length, never unpacked
+    env.refused("POST", "/v1/objects", wire.encode_objects([(FILENODE, big)]),
+                "application/octet-stream", match="larger than a version 2 node")

@@ -130,24 +130,22 @@ def file_chunks(path: str, size: int) -> Iterator[tuple[int, int, bytes | None]]
         for start, end in _data_spans(fd, size):
             if start > pos:
                 yield pos, start - pos, None
-            carry = b""
-            off = start  # file offset of carry's first byte
-            while off + len(carry) < end:
-                want = min(READ_WINDOW, end - off - len(carry))
-                data = os.pread(fd, want, off + len(carry))
-                if len(data) < want:
-                    raise Unavailable(f"{path} changed while it was being read; try again")
-                buf = carry + data
-                last = off + len(buf) >= end
-                cuts = list(filetree.cut(buf))
-                if not last:
-                    cuts = cuts[:-1]  # cut only because the window ended: re-cut with more
-                for c_off, n in cuts:
-                    piece = buf[c_off:c_off + n]
-                    yield off + c_off, n, None if filetree.is_zero(piece) else piece
-                done = cuts[-1][0] + cuts[-1][1] if cuts else 0
-                carry = buf[done:]
-                off += done
+            chunker = filetree.Chunker()
+            off = start  # file offset of the next chunk
+            while True:
+                want = min(READ_WINDOW, end - off - chunker.pending)
+                if want:
+                    data = os.pread(fd, want, off + chunker.pending)
+                    if len(data) < want:
+                        raise Unavailable(f"{path} changed while it was being read; try again")
+                    pieces = chunker.feed(data)
+                else:
+                    pieces = chunker.finish()
+                for piece in pieces:
+                    yield off, len(piece), None if filetree.is_zero(piece) else piece
+                    off += len(piece)
+                if not want:
+                    break
             pos = end
         if pos < size:
             yield pos, size - pos, None

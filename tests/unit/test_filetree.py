@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -24,7 +25,9 @@ from strata.engine.objects import (
     FILE_FANOUT_MAX,
     FILE_NODE_V2_MAX,
     FILENODE,
+    K_FILE,
     ZERO_ID,
+    Entry,
     FileNode,
     object_id,
     packb,
@@ -280,3 +283,42 @@ def test_appends_make_the_chunks_of_the_whole_written_at_once(store: LocalStore)
     appended = t.lookup("appended")
     assert appended is not None and t.read("appended") == data
     assert appended.ref == whole.ref  # the same chunks, so the same tree
+
+
+def test_a_file_built_in_pieces_is_the_file_written_whole(store: LocalStore) -> None:
+    t = Transaction(store, "v")
+    rng = random.Random(17)
+    for size in (0, 100, 4096, 4097, 70_000, 3 << 20):
+        data = rng.randbytes(size)
+        whole = t.content.file_entry(data, Entry(kind=K_FILE))
+        b = t.content.builder()
+        pos = 0
+        while pos < size:
+            n = rng.choice((1, 7, 4096, 100_000))
+            b.write(data[pos:pos + n])
+            pos += n
+        assert b.entry(Entry(kind=K_FILE)) == whole, size
+
+
+def test_fixed_blocks_from_an_older_writer_still_make_a_readable_tree(store: LocalStore
+                                                                      ) -> None:
+    t = Transaction(store, "v")
+    data = random.Random(19).randbytes(200_000)
+    bs = t.content.block_size
+    ids = [t.content.block(data[i:i + bs]) for i in range(0, len(data), bs)]
+    e = t.content.node_entry(ids, len(data), Entry(kind=K_FILE))
+    assert e.ref is not None and t.content.read(e) == data
+
+
+def test_import_reads_a_window_at_a_time_and_cuts_as_the_whole(
+        store: LocalStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from strata import localfile
+    monkeypatch.setattr(localfile, "READ_WINDOW", 100_000)
+    data = random.Random(23).randbytes(2 << 20)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    t = Transaction(store, "v")
+    got = localfile.file_content(str(path), len(data), lambda _o, d: t.content.block(d),
+                                 t.content.add)
+    assert isinstance(got, tuple)
+    assert got[1] == t.content.file_entry(data, Entry(kind=K_FILE)).ref

@@ -58,6 +58,37 @@ def cut(data: bytes | bytearray | memoryview) -> Iterator[tuple[int, int]]:
         yield ch.offset, ch.length
 
 
+class Chunker:
+    """Cuts a stream fed in pieces of any size into the chunks of the whole.
+
+    The last chunk of what was fed so far may have ended only because the
+    bytes did; it is kept and cut again with what comes next. A cut FastCDC
+    finds before the end of its buffer depends only on the bytes since the
+    chunk's start, so the chunks are those of the whole stream in one buffer.
+    """
+
+    def __init__(self) -> None:
+        self._carry = b""
+
+    @property
+    def pending(self) -> int:
+        """Bytes fed and not yet returned as chunks."""
+        return len(self._carry)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The chunks that `data` completes (possibly none)."""
+        buf = self._carry + data if self._carry else data
+        cuts = list(cut(buf))[:-1]
+        done = cuts[-1][0] + cuts[-1][1] if cuts else 0
+        self._carry = buf[done:]
+        return [buf[o:o + n] for o, n in cuts]
+
+    def finish(self) -> list[bytes]:
+        """The chunks of what is left (the stream ended)."""
+        buf, self._carry = self._carry, b""
+        return [buf[o:o + n] for o, n in cut(buf)]
+
+
 def chunk_entries(data: bytes | bytearray | memoryview, put_block: Callable[[bytes], bytes]
                   ) -> Entries:
     """Chunk `data` and store each chunk; all-zero chunks become holes (ZERO_ID), merged."""

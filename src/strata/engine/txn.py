@@ -98,6 +98,21 @@ class ContentWriter:
         _node, ref = filetree.build(filetree.chunk_entries(data, self.block), self.add)
         return base.with_(kind=K_FILE, size=len(data), ref=ref, data=None)
 
+    def builder(self) -> FileBuilder:
+        """A file fed in pieces of any size (a tar member, a stream), cut as it comes."""
+        return FileBuilder(self)
+
+    def node_entry(self, blocks: Sequence[bytes], size: int, base: Entry) -> Entry:
+        """An entry over blocks cut at every `block_size` bytes (ids from `block`).
+
+        Kept for writers that cut fixed-size blocks themselves; their files
+        share nothing once bytes shift. `builder()` cuts by content.
+        """
+        bs = self.block_size
+        root, ref = filetree.build(
+            ((min(bs, size - i * bs), oid) for i, oid in enumerate(blocks)), self.add)
+        return self.tree_entry(root, ref, base)
+
     def tree_entry(self, root: FileNode, ref: bytes, base: Entry) -> Entry:
         """An entry for a file whose root node is `root`; small files go inline."""
         if root.size <= INLINE_MAX:
@@ -198,6 +213,42 @@ class ContentWriter:
                                                    [(len(head), self.block(head))], get,
                                                    self.add)
         return self.tree_entry(root, ref, e)
+
+
+class FileBuilder:
+    """One file's content written in pieces through a ContentWriter, cut by content.
+
+    Memory is the piece being written plus one unfinished chunk; the chunks
+    and nodes are those of the same bytes written whole with `file_entry`.
+    """
+
+    def __init__(self, cw: ContentWriter) -> None:
+        self.cw = cw
+        self.size = 0
+        self._small = bytearray()  # the first bytes, while the file could still be inline
+        self._chunker = filetree.Chunker()
+        self._tree = filetree.TreeBuilder(cw.add)
+
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size <= INLINE_MAX:
+            self._small += data
+            return
+        if self._small:
+            data, self._small = bytes(self._small) + data, bytearray()
+        self._add(self._chunker.feed(data))
+
+    def _add(self, pieces: list[bytes]) -> None:
+        for piece in pieces:
+            self._tree.add(len(piece), self.cw.block(piece))
+
+    def entry(self, base: Entry) -> Entry:
+        """The finished file's entry, with the metadata of `base`."""
+        if self.size <= INLINE_MAX:
+            return base.with_(kind=K_FILE, size=self.size, data=bytes(self._small), ref=None)
+        self._add(self._chunker.finish())
+        root, ref = self._tree.finish()
+        return self.cw.tree_entry(root, ref, base)
 
 
 class Transaction:

@@ -322,3 +322,26 @@ def test_import_reads_a_window_at_a_time_and_cuts_as_the_whole(
                                  t.content.add)
     assert isinstance(got, tuple)
     assert got[1] == t.content.file_entry(data, Entry(kind=K_FILE)).ref
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 200_000), st.booleans()), min_size=1, max_size=8),
+       st.sampled_from([5_000, 70_000, 1 << 20]))
+def test_zero_runs_are_holes_and_pieces_cut_as_the_whole(parts: list[tuple[int, bool]],
+                                                          window: int) -> None:
+    rng = random.Random(len(parts))
+    data = b"".join(bytes(n) if zero else rng.randbytes(n) for n, zero in parts)
+    whole = list(filetree.cut(data))
+    assert sum(n for _o, n in whole) == len(data)
+    for o, n in whole:  # a zero run of ZERO_RUN or more is never inside a data chunk
+        piece = data[o:o + n]
+        assert filetree.is_zero(piece) or bytes(filetree.ZERO_RUN) not in piece
+    c = filetree.Chunker()
+    pieces = [p for i in range(0, len(data), window) for p in c.feed(data[i:i + window])]
+    pieces += c.finish()
+    assert b"".join(pieces) == data
+    objs = Objects()
+    fed: filetree.Entries = []
+    for p in pieces:
+        filetree.append_entry(fed, len(p), ZERO_ID if filetree.is_zero(p) else objs.block(p))
+    assert fed == filetree.chunk_entries(data, objs.block)

@@ -202,7 +202,11 @@ def test_a_100_gib_sparse_file_changed_at_one_offset_writes_a_few_kib(store: Loc
     nodes = sum(len(raw) for kind, raw in pending if kind == FILENODE)
     chunks = sum(len(raw) for kind, raw in pending if kind == BLOCK)
     assert chunks == 4096 and nodes < 1024, (nodes, chunks)
+    packs = Path(store.path) / "packs"
+    before = sum(p.stat().st_size for p in packs.iterdir())
     t.commit("one 4 KiB write")
+    # Everything the publish put in the store: chunk, file node, tree path, snapshot.
+    assert sum(p.stat().st_size for p in packs.iterdir()) - before < 16 * 1024
     got = Transaction(store, "v").read("disk.img", 37 * GIB + 12000, 5000)
     assert got == bytes(345) + b"\xab" * 4096 + bytes(5000 - 345 - 4096)
 

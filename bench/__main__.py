@@ -10,6 +10,7 @@ import sys
 from bench import (
     bucket,
     day,
+    dedup,
     engine,
     gc,
     mount,
@@ -36,10 +37,11 @@ def main() -> None:
     ap.add_argument("--churn-rounds", type=int, default=None,
                     help="rounds of the GC churn on a mount (default 20, 5 with --quick)")
     ap.add_argument("--only",
-                    default="engine,server,bucket,gc,mount,steps,sandbox,ui,speed,workspace,day",
+                    default="engine,server,bucket,gc,mount,steps,sandbox,ui,speed,workspace,dedup,"
+                            "day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
-                         "steps, sandbox, ui, speed, workspace, day, scale; scale is left out of "
-                         "the default)")
+                         "steps, sandbox, ui, speed, workspace, dedup, day, scale; scale is left "
+                         "out of the default)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -77,6 +79,13 @@ def main() -> None:
     if ws_rows:
         print_table("strata workspaces: baselines from the same run", ws_rows)
     speed_rows += ws_rows
+    dedup_rows = dedup.run(args.dir, quick=args.quick) if "dedup" in groups else []
+    if dedup_rows:
+        print_table("strata image dedup: ten versions of a root tree, baselines from the same "
+                    "run", dedup_rows, baseline="baseline",
+                    caption="ratio = strata's bytes / the baseline's (below 1 is smaller); "
+                    "throughput: baseline rate / strata's")
+    speed_rows += dedup_rows
     scale_rows = scale.run(args.dir, quick=args.quick, large=args.large) \
         if "scale" in groups else []
     if scale_rows:

@@ -25,6 +25,7 @@ import pytest
 from crash_writer import content_of, path_of
 from strata.engine import pack as packfmt
 from strata.engine.errors import Corrupt, NotFound, StrataError, Unavailable
+from strata.engine.filetree import cut
 from strata.engine.local import LocalStore, StoreConfig, init_store
 from strata.engine.objects import BLOCK, K_FILE, object_id
 from strata.engine.txn import Transaction
@@ -192,6 +193,11 @@ def test_new_pack_without_its_header_is_dropped_on_open(tmp_path: Path, length: 
 
 # -- a flipped bit -----------------------------------------------------------------------------
 
+def _chunks(data: bytes) -> list[bytes]:
+    """The content-defined chunks a file of `data` is stored as."""
+    return [data[o:o + n] for o, n in cut(data)]
+
+
 def _flip_block_of(store_dir: Path, block: bytes) -> tuple[str, int]:
     """Flip one bit inside the stored record of `block`; return (pack name, offset)."""
     return flip_record_of(store_dir, object_id(BLOCK, block))
@@ -214,7 +220,7 @@ def flip_record_of(store_dir: Path, oid: bytes) -> tuple[str, int]:
 
 def test_flipped_bit_is_reported_naming_pack_and_offset(tmp_path: Path) -> None:
     store_dir = tmp_path / "store"
-    victim = os.urandom(200_000)
+    victim = os.urandom(600_000)  # at least three chunks: the second is 16 KiB or more
     with new_store(store_dir) as s:
         t = Transaction(s, "v")
         t.write("victim", victim)
@@ -222,8 +228,8 @@ def test_flipped_bit_is_reported_naming_pack_and_offset(tmp_path: Path) -> None:
         t = Transaction(s, "v")
         t.write("later", b"written after the damaged record")
         t.commit()
-        bs = s.block_size
-    pack, offset = _flip_block_of(store_dir, victim[bs:2 * bs])
+    second = _chunks(victim)[1]
+    pack, offset = _flip_block_of(store_dir, second)
     with LocalStore(str(store_dir)) as s:
         report = s.fsck()
         assert not report["ok"]
@@ -237,7 +243,7 @@ def test_flipped_bit_is_reported_naming_pack_and_offset(tmp_path: Path) -> None:
         assert (info.value.pack, info.value.offset) == (pack, offset)
         assert pack in str(info.value) and str(offset) in str(info.value)
         with pytest.raises(Corrupt):
-            s.get_object(object_id(BLOCK, victim[bs:2 * bs]))
+            s.get_object(object_id(BLOCK, second))
 
 
 def test_flipped_bit_found_while_rebuilding_the_index(tmp_path: Path) -> None:
@@ -248,8 +254,7 @@ def test_flipped_bit_found_while_rebuilding_the_index(tmp_path: Path) -> None:
         t.write("victim", victim)
         t.write("other", b"fine")
         t.commit()
-        bs = s.block_size
-    pack, offset = _flip_block_of(store_dir, victim[:bs])
+    pack, offset = _flip_block_of(store_dir, _chunks(victim)[0])
     shutil.rmtree(store_dir / "index")
     with LocalStore(str(store_dir)) as s:
         assert [(d["pack"], d["offset"]) for d in s.recovery["damaged"]] == [(pack, offset)]

@@ -20,6 +20,7 @@ import pytest
 from strata.engine import pack as packfmt
 from strata.engine.errors import InvalidInput
 from strata.engine.local import LocalStore, init_store
+from strata.engine.objects import FileNode, packb
 from strata.engine.txn import Transaction
 
 FIXTURE = Path(__file__).parent / "fixtures" / "store-v1.tar.gz"
@@ -59,7 +60,7 @@ def test_a_version_1_store_opens_reads_and_takes_new_publishes(tmp_path: Path) -
         assert store.fsck()["ok"]
     packs = sorted((tmp_path / "packs").glob("*.pack"))
     assert {p.name: p.read_bytes() for p in packs if p.name in old} == old  # untouched
-    assert packfmt.read_info(str(packs[-1])).version == packfmt.PACK_VERSION == 4
+    assert packfmt.read_info(str(packs[-1])).version == packfmt.PACK_VERSION == 5
 
 
 def test_policies_from_a_policies_json_move_into_the_journal(tmp_path: Path) -> None:
@@ -84,3 +85,41 @@ def test_policies_from_a_policies_json_move_into_the_journal(tmp_path: Path) -> 
     (tmp_path / "policies.json").write_text(json.dumps({"version": 2, "policies": {}}))
     with pytest.raises(InvalidInput, match="unknown policy file version"):
         LocalStore(str(tmp_path))
+
+
+def test_version_1_file_nodes_read_and_a_write_turns_them_into_version_2(tmp_path: Path
+                                                                         ) -> None:
+    """Version 1 nodes (fixed 64 KiB blocks) read as before; a write makes a version 2 tree.
+
+    The tree keeps the old blocks the write did not touch as its chunks
+    (none re-read, none stored again).
+    """
+    with tarfile.open(FIXTURE) as tar:
+        tar.extractall(tmp_path, filter="data")
+    big = random.Random(1).randbytes(200_000)
+    with LocalStore(str(tmp_path)) as store:
+        t = Transaction(store, "proj")
+        e = t.lookup("big.bin")
+        assert e is not None and e.ref is not None
+        old = FileNode.decode(store.get_object(e.ref))
+        assert old.version == 1 and old.block_size == 65536 and len(old.blocks) == 4
+        assert t.read("big.bin", 65530, 20) == big[65530:65550]
+        t.write_at("big.bin", 70_000, b"new bytes")
+        new = t.lookup("big.bin")
+        assert new is not None and new.ref is not None
+        node = FileNode.decode(t.content.get_object(new.ref))
+        assert node.version == 2
+        kept = set(old.blocks) & set(node.all_block_ids(t.content.get_object))
+        assert kept == {old.blocks[0], old.blocks[2], old.blocks[3]}
+        t.commit("a write into a version 1 file")
+        want = big[:70_000] + b"new bytes" + big[70_009:]
+        assert Transaction(store, "proj").read("big.bin") == want
+        assert store.fsck()["ok"]
+    with LocalStore(str(tmp_path)) as store:
+        assert Transaction(store, "proj").read("big.bin") == want
+        assert store.fsck()["ok"]
+
+
+def test_a_file_node_of_an_unknown_version_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="file node format version 3 .* upgrade strata"):
+        FileNode.decode(packb([3, 10, 0, [[10, bytes(32)]]]))

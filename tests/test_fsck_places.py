@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from strata.engine.filetree import cut
 from strata.engine.local import LocalStore, init_store
 from strata.engine.objects import BLOCK, object_id
 from strata.engine.txn import Transaction
@@ -65,8 +66,8 @@ def damaged(tmp_path: Path) -> Iterator[dict[str, Any]]:
         for i in range(COPIES):
             t.write(f"copies/c{i:02}.bin", victim)
         t.commit("copies")
-        bs = s.block_size
-    block = object_id(BLOCK, victim[bs:2 * bs])
+    off, n = next(cut(victim))  # its first content-defined chunk (at least 16 KiB)
+    block = object_id(BLOCK, victim[off:off + n])
     pack, offset = flip_record_of(store, block)
     yield {"store": store, "block": block.hex(), "pack": pack, "offset": offset,
            "s1": s1, "s2": s2, "s3": s3}

@@ -145,7 +145,7 @@ def test_objects_uploaded_ahead_of_their_publish_are_pinned(tmp_path: Path) -> N
         s.create_volume("v")
         data = os.urandom(70_000)
         block = s.put_objects([(BLOCK, data)])[0]
-        node = FileNode(size=len(data), block_size=1 << 20, blocks=(block,)).encode()
+        node = FileNode.v1(size=len(data), block_size=1 << 20, blocks=(block,)).encode()
         ref = s.put_objects([(FILENODE, node)])[0]
         r = s.gc(min_age=0)
         assert r["objects_deleted"] == 0

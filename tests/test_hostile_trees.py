@@ -168,7 +168,7 @@ def test_references_to_objects_the_store_lacks_are_refused(tmp_path: Path) -> No
         with pytest.raises(InvalidInput, match="lacks"):  # as the server checks each batch
             s.check_tree_refs([(TREE, tree((b"d", entry_list(K_DIR, size=0, data=None,
                                                               ref=ghost))))])
-        node = FileNode(size=10, block_size=65536, blocks=(ghost,)).encode()
+        node = FileNode.v1(size=10, block_size=65536, blocks=(ghost,)).encode()
         s.put_objects([(FILENODE, node)])  # blocks may come in a later batch ...
         f = Entry(kind=K_FILE, size=10, ref=object_id(FILENODE, node))
         with pytest.raises(InvalidInput, match="lacks"):  # ... but a publish needs them
@@ -239,3 +239,30 @@ def test_inner_tree_nodes_must_describe_their_children_over_tcp(tmp_path: Path) 
         assert upload(port, tok, fine)[0] == 200
         assert upload(port, tok, inner((b"a", lid, 2), (b"y", object_id(TREE, fine), 2)))[0] \
             == 200
+
+
+def test_a_version_2_tree_whose_parts_disagree_is_refused(tmp_path: Path) -> None:
+    """A child sent with a publish must be the level and size its parent's entry says."""
+    from strata.engine.objects import BLOCK, FILENODE, FileNode
+    init_store(str(tmp_path / "s"))
+    with LocalStore(str(tmp_path / "s")) as s:
+        s.create_volume("v")
+        data = os.urandom(10_000)
+        chunk = object_id(BLOCK, data)
+        leaf = FileNode(10_000, 0, ((10_000, chunk),)).encode()
+        liar = FileNode(20_000, 1, ((20_000, object_id(FILENODE, leaf)),)).encode()
+        f = Entry(kind=K_FILE, size=20_000, ref=object_id(FILENODE, liar))
+        with pytest.raises(InvalidInput, match="is not the level 0 node of 20000 bytes"):
+            s.publish([ChangeSet("v", "live", s.head("v", "live"), {"f": f})],
+                      [(BLOCK, data), (FILENODE, leaf), (FILENODE, liar)])
+        ghost = FileNode(10_000, 1, ((10_000, object_id(FILENODE, b"absent")),)).encode()
+        g = Entry(kind=K_FILE, size=10_000, ref=object_id(FILENODE, ghost))
+        with pytest.raises(InvalidInput, match="names child node .* the store lacks"):
+            s.publish([ChangeSet("v", "live", s.head("v", "live"), {"g": g})],
+                      [(FILENODE, ghost)])
+        good = FileNode(10_000, 1, ((10_000, object_id(FILENODE, leaf)),)).encode()
+        h = Entry(kind=K_FILE, size=10_000, ref=object_id(FILENODE, good))
+        assert s.publish([ChangeSet("v", "live", s.head("v", "live"), {"h": h})],
+                         [(BLOCK, data), (FILENODE, leaf), (FILENODE, good)])
+        from strata.engine.txn import Transaction
+        assert Transaction(s, "v").read("h") == data

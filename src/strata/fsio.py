@@ -25,7 +25,6 @@ from strata.engine.errors import InvalidInput, NotFound
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.names import MAX_NAME, MAX_PATH, check_name
 from strata.engine.objects import (
-    FILENODE,
     K_BLK,
     K_CHR,
     K_DIR,
@@ -91,10 +90,10 @@ def _quick_same(loc: _Local, base: Entry | None) -> bool:
 
 def _read_file(cw: ContentWriter, loc: _Local) -> tuple[bytes | None, bytes | None]:
     """Read a file's content into `cw`: (file node id, inline data)."""
-    content = localfile.file_content(loc.abs, loc.st.st_size, cw.block_size,
-                                     lambda _off, data: cw.block(data))
-    if isinstance(content, FileNode):
-        return cw.add(FILENODE, content.encode()), None
+    content = localfile.file_content(loc.abs, loc.st.st_size,
+                                     lambda _off, data: cw.block(data), cw.add)
+    if isinstance(content, tuple):
+        return content[1], None
     return None, content
 
 

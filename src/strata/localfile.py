@@ -1,8 +1,8 @@
-"""A local file as a snapshot stores it: its entry, its xattrs and its blocks.
+"""A local file as a snapshot stores it: its entry, its xattrs and its chunks.
 
 Import and the mount's commit both turn files of a local filesystem into
 entries and blocks. They share this one module so that the same file always
-becomes the same entry: holes are never read, all-zero blocks are ZERO_ID,
+becomes the same entry: holes are never read, all-zero chunks are holes (ZERO_ID),
 symlink targets and xattr names are the raw bytes, and a filesystem without
 xattrs reads as having none while any other error stops the caller (a
 silently dropped xattr would vanish from the snapshot).
@@ -15,6 +15,7 @@ import os
 import stat as statmod
 from collections.abc import Callable, Iterator
 
+from strata.engine import filetree
 from strata.engine.errors import InvalidInput, Unavailable
 from strata.engine.kinds import KIND_OF_IFMT
 from strata.engine.objects import (
@@ -109,46 +110,61 @@ def _data_spans(fd: int, size: int) -> Iterator[tuple[int, int]]:
         off = end
 
 
-def file_blocks(path: str, size: int, block_size: int) -> Iterator[tuple[int, bytes | None]]:
-    """(offset, bytes) for each block of the first `size` bytes; None for a block of zeros.
+READ_WINDOW = 4 * 1024 * 1024  # bytes read at a time while chunking a file
 
-    Holes are never read, so a sparse 5 GiB file with a few bytes of data
-    costs a few reads, not 5 GiB of zeros; a read block of zeros is reported
-    as one too, so both are stored as ZERO_ID. A file shorter than `size`
-    changed while being read and raises Unavailable.
+
+def file_chunks(path: str, size: int) -> Iterator[tuple[int, int, bytes | None]]:
+    """(offset, length, bytes) of each chunk of the first `size` bytes; None for zeros.
+
+    Data is cut by content (engine/filetree.py) a window at a time, carrying
+    the last, unfinished chunk of each window into the next, so the cuts are
+    those of the whole content in one buffer. Holes are never read: each is
+    one entry however long, so a sparse 5 GiB file with a few bytes of data
+    costs a few reads, not 5 GiB of zeros; a chunk read as zeros is reported
+    as a hole too. A file shorter than `size` changed while being read and
+    raises Unavailable.
     """
-    bs = block_size
-    nblocks = -(-size // bs)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        i = 0  # the next block to report
+        pos = 0  # everything before pos has been reported
         for start, end in _data_spans(fd, size):
-            first, stop = start // bs, (end - 1) // bs + 1
-            for j in range(i, first):
-                yield j * bs, None
-            for j in range(max(i, first), stop):
-                length = min(bs, size - j * bs)
-                data = os.pread(fd, length, j * bs)
-                if len(data) < length:
-                    raise Unavailable(f"{path} changed while it was being read; try again")
-                yield j * bs, None if data == bytes(length) else data
-            i = max(i, stop)
-        for j in range(i, nblocks):
-            yield j * bs, None
+            if start > pos:
+                yield pos, start - pos, None
+            chunker = filetree.Chunker()
+            off = start  # file offset of the next chunk
+            while True:
+                want = min(READ_WINDOW, end - off - chunker.pending)
+                if want:
+                    data = os.pread(fd, want, off + chunker.pending)
+                    if len(data) < want:
+                        raise Unavailable(f"{path} changed while it was being read; try again")
+                    pieces = chunker.feed(data)
+                else:
+                    pieces = chunker.finish()
+                for piece in pieces:
+                    yield off, len(piece), None if filetree.is_zero(piece) else piece
+                    off += len(piece)
+                if not want:
+                    break
+            pos = end
+        if pos < size:
+            yield pos, size - pos, None
     finally:
         os.close(fd)
 
 
-def file_content(path: str, size: int, block_size: int,
-                 put: Callable[[int, bytes], bytes]) -> bytes | FileNode:
-    """The first `size` bytes of a regular file: inline bytes when small, else a file node.
+def file_content(path: str, size: int, put_block: Callable[[int, bytes], bytes],
+                 put_node: filetree.Put) -> bytes | tuple[FileNode, bytes]:
+    """The first `size` bytes of a regular file: inline bytes when small, else its root node.
 
-    `put(offset, data)` stores one block that holds data and returns its id;
-    blocks of zeros become ZERO_ID without a call.
+    `put_block(offset, data)` stores one chunk that holds data and returns its
+    id; chunks of zeros become holes without a call. `put_node(kind, raw)`
+    stores each file node of the tree; the root and its id are returned.
     """
     if size <= INLINE_MAX:
-        return b"".join(bytes(min(block_size, size - off)) if data is None else data
-                        for off, data in file_blocks(path, size, block_size))
-    blocks = tuple(ZERO_ID if data is None else put(off, data)
-                   for off, data in file_blocks(path, size, block_size))
-    return FileNode(size=size, block_size=block_size, blocks=blocks)
+        return b"".join(bytes(n) if data is None else data
+                        for _off, n, data in file_chunks(path, size))
+    builder = filetree.TreeBuilder(put_node)
+    for off, n, data in file_chunks(path, size):
+        builder.add(n, ZERO_ID if data is None else put_block(off, data))
+    return builder.finish()

@@ -275,7 +275,7 @@ def test_objects_round_trip_and_are_stored_once(store: Store) -> None:
     assert store.get_object(oid) == raw
     assert store.get_range(oid, 10, 20) == raw[10:30]
     assert store.get_range(oid, 990, 100) == raw[990:]
-    node = FileNode(size=1000, block_size=store.block_size, blocks=(oid,)).encode()
+    node = FileNode.v1(size=1000, block_size=store.block_size, blocks=(oid,)).encode()
     (nid,) = store.put_objects([(FILENODE, node)])
     assert nid == object_id(FILENODE, node) and store.get_object(nid) == node
 

@@ -8,17 +8,26 @@ lying-server test, changes the bytes a batch read returns.
 
 from __future__ import annotations
 
+import functools
 import os
+import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from strata.engine.errors import Corrupt
+from strata.engine.filetree import CDC_MAX
 from strata.engine.local import LocalStore, init_store
 from strata.engine.txn import Transaction
 from strata.mount.cache import ContentCache
-from strata.mount.readahead import MAX_AHEAD, REQUEST_BYTES, STREAM_CACHE_BYTES
+from strata.mount.readahead import (
+    MAX_AHEAD,
+    PER_REQUEST,
+    REQUEST_BYTES,
+    STREAM_CACHE_BYTES,
+    UNIT,
+)
 from strata.mount.vfs import SnapshotFS, Volume
 
 MIB = 1024 * 1024
@@ -30,11 +39,14 @@ class Counting(LocalStore):
     """A LocalStore that records each batch read, and can lie about one block."""
 
     batches: list[int]
+    batch_bytes: list[int]
     lie_about: bytes | None = None
 
     def get_objects(self, ids: Sequence[bytes]) -> list[bytes]:
         self.batches.append(len(ids))
-        return [self.get_object(oid) for oid in ids]
+        out = [self.get_object(oid) for oid in ids]
+        self.batch_bytes.append(sum(map(len, out)))
+        return out
 
     def get_object(self, oid: bytes) -> bytes:
         return self._lie(oid, super().get_object(oid))
@@ -43,8 +55,17 @@ class Counting(LocalStore):
         return bytes([raw[0] ^ 1]) + raw[1:] if oid == self.lie_about else raw
 
 
+@functools.cache
 def _content() -> bytes:
-    return b"".join((i + 1).to_bytes(4, "little") * (BLOCK // 4) for i in range(SIZE // BLOCK))
+    """Random bytes: chunks of every size FastCDC cuts (~78 KiB on average)."""
+    return random.Random(24).randbytes(SIZE)
+
+
+def _chunks(fs: SnapshotFS, store: Counting) -> list[tuple[int, int, bytes]]:
+    """(offset, length, id) of each chunk of the big file."""
+    fnode = fs.file_node(fs.lookup(1, b"big").ino)
+    assert fnode is not None
+    return list(fnode.spans(0, fnode.size, store.get_object))
 
 
 @pytest.fixture
@@ -52,6 +73,7 @@ def store(tmp_path: Path) -> Iterator[Counting]:
     init_store(str(tmp_path / "store"))
     s = Counting(str(tmp_path / "store"))
     s.batches = []
+    s.batch_bytes = []
     s.create_volume("v")
     t = Transaction(s, "v")
     t.write("big", _content())
@@ -85,12 +107,12 @@ def _read(fs: SnapshotFS, offset: int, length: int, step: int = 128 * 1024) -> b
 def test_sequential_read_is_exact_and_batched(store: Counting, tmp_path: Path) -> None:
     fs = _fs(store, tmp_path / "cache")
     assert _read(fs, 0, SIZE) == _content()
-    blocks = SIZE // BLOCK
-    # Every block fetched once, in requests of at most REQUEST_BYTES, far fewer than
-    # one request per block (or per 128 KiB read).
-    assert fs.readahead.fetched_blocks == blocks
-    assert max(store.batches) <= REQUEST_BYTES // BLOCK
-    assert len(store.batches) <= blocks // (REQUEST_BYTES // BLOCK) + 4
+    chunks = len({oid for _o, _n, oid in _chunks(fs, store)})
+    # Every chunk fetched once, in answers under 1 MiB, far fewer requests than
+    # one per chunk (or per 128 KiB read).
+    assert fs.readahead.fetched_blocks == chunks
+    assert max(store.batch_bytes) <= REQUEST_BYTES
+    assert len(store.batches) <= SIZE // (PER_REQUEST * UNIT) + 4
     fs.readahead.close()
 
 
@@ -105,37 +127,32 @@ def test_a_jump_fetches_a_short_window(store: Counting, tmp_path: Path) -> None:
 
 def test_a_lying_server_never_reaches_a_reader(store: Counting, tmp_path: Path) -> None:
     fs = _fs(store, tmp_path / "cache")
-    node = fs.lookup(1, b"big")
-    fnode = fs.file_node(node.ino)
-    assert fnode is not None
-    bad = 3 * MIB // BLOCK
-    store.lie_about = fnode.blocks[bad]
-    # Everything before the lie reads fine; the read that needs the bad block fails
+    bad, length, oid = next(c for c in _chunks(fs, store) if c[0] >= 3 * MIB)
+    store.lie_about = oid
+    # Everything before the lie reads fine; the read that needs the bad chunk fails
     # with Corrupt (EIO on the mount), from memory or not, and never returns bytes.
-    assert _read(fs, 0, bad * BLOCK) == _content()[:bad * BLOCK]
+    assert _read(fs, 0, bad) == _content()[:bad]
     with pytest.raises(Corrupt):
-        _read(fs, bad * BLOCK, BLOCK)
-    assert fs.readahead.ready(fnode.blocks[bad]) is None
-    assert not list((tmp_path / "cache").rglob(fnode.blocks[bad].hex()[2:] + "*"))
-    # A good block fetched in the same request as the bad one reads fine: a fresh
-    # reader's first read starts a window at block bad-3 that holds the bad block.
+        _read(fs, bad, length)
+    assert fs.readahead.ready(oid) is None
+    assert not list((tmp_path / "cache").rglob(oid.hex()[2:] + "*"))
+    # A good chunk fetched in the same request as the bad one reads fine: a fresh
+    # reader's first read starts a window 192 KiB before that holds the bad chunk.
     fresh = _fs(store, tmp_path / "cache2")
-    good = bad - 3
-    assert _read(fresh, good * BLOCK, BLOCK) == _content()[good * BLOCK:(good + 1) * BLOCK]
+    good = bad - 3 * BLOCK
+    assert _read(fresh, good, BLOCK) == _content()[good:good + BLOCK]
     with pytest.raises(Corrupt):
-        _read(fresh, bad * BLOCK, 100)
+        _read(fresh, bad, 100)
     fresh.readahead.close()
-    # The server stops lying: the block is fetched again, checked, and served.
+    # The server stops lying: the chunk is fetched again, checked, and served.
     store.lie_about = None
-    assert _read(fs, bad * BLOCK, BLOCK) == _content()[bad * BLOCK:(bad + 1) * BLOCK]
+    assert _read(fs, bad, length) == _content()[bad:bad + length]
     fs.readahead.close()
 
 
-def _cached(fs: SnapshotFS, cache: Path) -> int:
-    """How many of the big file's blocks the disk cache holds."""
-    fnode = fs.file_node(fs.lookup(1, b"big").ino)
-    assert fnode is not None
-    return sum(1 for oid in fnode.blocks
+def _cached(fs: SnapshotFS, store: Counting, cache: Path) -> int:
+    """How many bytes of the big file's chunks the disk cache holds."""
+    return sum(n for _o, n, oid in _chunks(fs, store)
                if (cache / oid.hex()[:2] / oid.hex()[2:]).is_file())
 
 
@@ -144,16 +161,15 @@ def test_streams_from_a_local_server_cache_only_their_start(store: Counting,
     fs = _fs(store, tmp_path / "local", cache_streams=False)
     assert _read(fs, 0, SIZE) == _content()
     fs.readahead._writer.flush()
-    kept = _cached(fs, tmp_path / "local")
+    kept = _cached(fs, store, tmp_path / "local")
     # The stream's first STREAM_CACHE_BYTES (in whole requests), not the whole file.
-    per_request = REQUEST_BYTES // BLOCK
-    assert STREAM_CACHE_BYTES // BLOCK <= kept <= STREAM_CACHE_BYTES // BLOCK + per_request
+    assert STREAM_CACHE_BYTES - CDC_MAX <= kept <= STREAM_CACHE_BYTES + REQUEST_BYTES
     fs.readahead.close()
 
     fs = _fs(store, tmp_path / "remote")  # a remote server: every block is kept
     assert _read(fs, 0, SIZE) == _content()
     fs.readahead._writer.flush()
-    assert _cached(fs, tmp_path / "remote") == SIZE // BLOCK
+    assert _cached(fs, store, tmp_path / "remote") == SIZE
     fs.readahead.close()
 
     # A second reader on the shared cache reads the cached blocks without a fetch.
@@ -168,7 +184,7 @@ def test_read_ahead_stays_bounded(store: Counting, tmp_path: Path) -> None:
     fs = _fs(store, tmp_path / "cache")
     _read(fs, 0, 2 * MIB)
     stream = fs.readahead._streams[fs.lookup(1, b"big").ino]
-    # Never more than MAX_AHEAD blocks (plus one request) requested past the reader.
-    assert stream.next - stream.last_read <= MAX_AHEAD + REQUEST_BYTES // BLOCK
+    # Never more than MAX_AHEAD units (plus one request) requested past the reader.
+    assert stream.next - stream.last_read <= MAX_AHEAD + PER_REQUEST
     assert os.path.isdir(tmp_path / "cache")
     fs.readahead.close()

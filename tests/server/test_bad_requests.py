@@ -255,7 +255,7 @@ def test_a_streamed_body_over_the_limit_is_refused(env: Env) -> None:
 def test_truncated_uploads_store_and_publish_nothing(env: Env) -> None:
     before = env.state()
     blocks = [(BLOCK, os.urandom(50_000)) for _ in range(3)]
-    node = FileNode(size=150_000, block_size=65536,
+    node = FileNode.v1(size=150_000, block_size=65536,
                     blocks=tuple(object_id(k, r) for k, r in blocks)).encode()
     objs = [*blocks, (FILENODE, node)]
     ids = [object_id(k, r) for k, r in objs]
@@ -344,7 +344,7 @@ def test_an_entry_whose_size_differs_from_its_file_node_is_refused(env: Env) -> 
     """
     block = os.urandom(64)
     bid = object_id(BLOCK, block)
-    node = FileNode(size=256 << 20, block_size=65536,
+    node = FileNode.v1(size=256 << 20, block_size=65536,
                     blocks=(bid,) + (b"\0" * 32,) * 4095).encode()
     nid = object_id(FILENODE, node)
     objects = wire.encode_objects([(BLOCK, block), (FILENODE, node)])
@@ -434,3 +434,20 @@ def test_bad_ranges_are_refused(env: Env) -> None:
                         ("items=0-1", 400), ("bytes=99999999-", 416)):
         got, reply = env.raw("GET", f"/v1/objects/{oid}", headers={"Range": rng})
         assert got == status and reply["message"], (rng, got, reply)
+
+
+@pytest.mark.usefixtures("unchanged")
+@pytest.mark.parametrize("body, why", [
+    ([2, 5, 0, [[4, b"x" * 32]]], "add up"),
+    ([2, 4, 1, [[4, bytes(32)]]], "hole as a child"),
+    ([2, 1, 0, [[1, b"x" * 32]] + [[0, b"x" * 32]] * 511], "length > 0"),
+    ([3, 4, 0, [[4, b"x" * 32]]], "upgrade strata"),
+])
+def test_hostile_version_2_file_nodes_are_refused_on_upload(env: Env, body: list[object],
+                                                            why: str) -> None:
+    raw = packb(body)
+    env.refused("POST", "/v1/objects", wire.encode_objects([(FILENODE, raw)]),
+                "application/octet-stream", match=why)
+    big = b"\x94\x02" + bytes(70_000)  # refused by its length, never unpacked
+    env.refused("POST", "/v1/objects", wire.encode_objects([(FILENODE, big)]),
+                "application/octet-stream", match="larger than a version 2 node")

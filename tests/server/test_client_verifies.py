@@ -103,7 +103,7 @@ def test_a_file_read_in_one_round_trip_is_verified(tmp_path: object) -> None:
     from strata.engine.errors import InvalidInput
     from strata.engine.objects import FILENODE, FileNode
     other = b"the other block"
-    node = FileNode(2 * 64 * 1024, 64 * 1024, (GOOD_ID, object_id(BLOCK, other)))
+    node = FileNode.v1(2 * 64 * 1024, 64 * 1024, (GOOD_ID, object_id(BLOCK, other)))
     raw = node.encode()
     ref = object_id(FILENODE, raw)
     sock = str(Path(str(tmp_path)) / "serve.sock")

@@ -69,7 +69,8 @@ class Traffic:
             t = Transaction(store, "a")
             t.write("big.bin", os.urandom(64 * MIB))
             t.commit("big")
-            node = FileNode(1 << 30, store.block_size, (ZERO_ID,) * ((1 << 30) // store.block_size))
+            bs = store.block_size
+            node = FileNode.v1(1 << 30, bs, (ZERO_ID,) * ((1 << 30) // bs))
             raw = node.encode()
             cs = ChangeSet("a", "live", store.head("a", "live"), {"zeros.bin": Entry(
                 kind=K_FILE, size=1 << 30, ref=object_id(FILENODE, raw))}, "zeros", {})

@@ -59,7 +59,7 @@ def test_a_writer_cannot_reach_another_volumes_blocks(tmp_path: Path, how: str) 
         owner.close()
 
         attacker = RemoteStore(server.tcp_url, token)
-        f = FileNode(size=size, block_size=block_size, blocks=tuple(blocks)).encode()
+        f = FileNode.v1(size=size, block_size=block_size, blocks=tuple(blocks)).encode()
         leaf = Entry(kind=K_FILE, mode=0o644, size=size, ref=object_id(FILENODE, f))
         t = TreeNode(0, entries=((b"leak", leaf),)).encode()
         batch = [(FILENODE, f), (TREE, t)]
@@ -93,7 +93,7 @@ def test_a_writer_still_publishes_trees_of_its_own_blocks(tmp_path: Path) -> Non
                                store=store).stdout)["token"]
         w = RemoteStore(server.tcp_url, token)
         data = b"a's own bytes\n" * 10
-        f = FileNode(size=len(data), block_size=65536, blocks=(object_id(BLOCK, data),)).encode()
+        f = FileNode.v1(size=len(data), block_size=65536, blocks=(object_id(BLOCK, data),)).encode()
         leaf = Entry(kind=K_FILE, mode=0o644, size=len(data), ref=object_id(FILENODE, f))
         t = TreeNode(0, entries=((b"mine", leaf),)).encode()
         w.put_objects([(BLOCK, data), (FILENODE, f), (TREE, t)])

@@ -516,7 +516,7 @@ def test_naming_another_volumes_object_in_a_publish_makes_it_no_more_readable(
             "stolen": Entry(kind=K_FILE, size=len(big), ref=oid)})])
 
     def by_file_node(remote: RemoteStore, oid: bytes) -> object:
-        node = FileNode(size=65536, block_size=65536, blocks=(oid,)).encode()
+        node = FileNode.v1(size=65536, block_size=65536, blocks=(oid,)).encode()
         return remote.publish([ChangeSet("a", "live", remote.head("a", "live"), {
             "stolen": Entry(kind=K_FILE, size=65536, ref=object_id(FILENODE, node))})],
             [(FILENODE, node)])
@@ -532,7 +532,7 @@ def test_naming_another_volumes_object_in_a_publish_makes_it_no_more_readable(
     assert env.state() == before
     # A file node uploaded ahead that names b's block: the upload is the writer's own
     # bytes, but the block it names stays out of reach.
-    node = FileNode(size=65536, block_size=65536, blocks=(b_block,)).encode()
+    node = FileNode.v1(size=65536, block_size=65536, blocks=(b_block,)).encode()
     status, _body = _raw(env, "POST", "/v1/objects", tok, wire.encode_objects([(FILENODE, node)]))
     assert status == 200
     with tcp_store(env, tok) as remote:

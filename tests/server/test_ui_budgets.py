@@ -65,12 +65,12 @@ class Env:
             self.big = b"".join(os.urandom(BLOCK_SIZE) for _ in range(8))
             t.write("big.bin", self.big)
             t.commit("big")
-            zeros = FileNode(4 << 30, BLOCK_SIZE, (ZERO_ID,) * 256).encode()
+            zeros = FileNode.v1(4 << 30, BLOCK_SIZE, (ZERO_ID,) * 256).encode()
             _publish_nodes(store, "a", "zeros.bin",
                            Entry(kind=K_FILE, size=4 << 30, ref=object_id(FILENODE, zeros)),
                            [(FILENODE, zeros)])
             head = b"SQLite format 3\x00" + os.urandom(4080)
-            fake = FileNode(256 * MIB, BLOCK_SIZE, (object_id(BLOCK, head),)
+            fake = FileNode.v1(256 * MIB, BLOCK_SIZE, (object_id(BLOCK, head),)
                             + (ZERO_ID,) * 15).encode()
             liar = Entry(kind=K_FILE, size=1000, ref=object_id(FILENODE, fake))
             tree = TreeNode(0, entries=((b"fake.db", liar),)).encode()

@@ -84,16 +84,17 @@ def test_file_content_matches_a_bytearray_model(small_store: LocalStore, initial
     assert after.read(path, off, length) == bytes(model[off:off + length])
 
 
-def test_sparse_file_stores_holes_as_zero_blocks(small_store: LocalStore) -> None:
+def test_sparse_file_stores_holes_as_one_hole_entry(small_store: LocalStore) -> None:
     t = fresh(small_store)
     t.write("sparse", b"head")
     t.write_at("sparse", 100 * BS + 5, b"tail")
     e = t.lookup("sparse")
     assert e is not None and e.size == 100 * BS + 9 and e.ref is not None
     node = FileNode.decode(t.content.get_object(e.ref))
-    assert node.block_size == BS and len(node.blocks) == 101
-    assert node.blocks[1:100] == (ZERO_ID,) * 99
-    assert node.blocks[0] != ZERO_ID and node.blocks[100] != ZERO_ID
+    assert node.version == 2 and node.level == 0
+    assert [n for n, _ in node.entries] == [4, 100 * BS + 1, 4]
+    assert node.blocks[1] == ZERO_ID
+    assert node.blocks[0] != ZERO_ID and node.blocks[2] != ZERO_ID
     t.commit()
     got = fresh(small_store).read("sparse")
     assert got == b"head" + bytes(100 * BS + 1) + b"tail"

@@ -187,9 +187,10 @@ def _check_reachable(get_object: Callable[[bytes], bytes], sid: bytes,
                     if e.ref is not None:
                         stack.append((e.ref, TREE if e.kind == K_DIR else FILENODE))
             elif kind == FILENODE:
-                for b in FileNode.decode(raw).blocks:
+                fnode = FileNode.decode(raw)
+                for b in dict.fromkeys(b for _n, b in fnode.entries):
                     if b != ZERO_ID:
-                        stack.append((b, BLOCK))
+                        stack.append((b, FILENODE if fnode.level else BLOCK))
         except (Corrupt, ValueError) as exc:
             bad[oid] = {"object": oid.hex(), "reason": str(exc)}
             report["damaged"].append(bad[oid])
@@ -253,9 +254,12 @@ def _name_places(get_object: Callable[[bytes], bytes], heads: dict[Key, str],
             try:
                 raw = get_object(oid)
                 if kind == FILENODE:
-                    for b in dict.fromkeys(FileNode.decode(raw).blocks):
+                    fnode = FileNode.decode(raw)
+                    for b in dict.fromkeys(b for _n, b in fnode.entries):
                         if b in bad:
                             note(b, {**label, "path": os.fsdecode(path)})
+                        elif fnode.level and has_bad(b, FILENODE):
+                            stack.append((b, FILENODE, path))  # the same file, a level down
                     continue
                 node = TreeNode.decode(raw)
             except (Corrupt, ValueError, KeyError):

@@ -129,14 +129,26 @@ class Store(ABC):
 
     def get_file(self, ref: bytes, offset: int, end: int
                  ) -> tuple[FileNode, dict[bytes, bytes]]:
-        """A file node and some of the blocks covering [offset, end), by id.
+        """A file's root node, and by id the nodes below it and the chunks covering [offset, end).
 
-        A remote store answers both in one round trip, and may leave out
-        blocks (the caller reads what is missing); this one reads them all.
+        A remote store answers all of them in one round trip, and may leave
+        some out (the caller reads what is missing); this one reads them all.
         """
         node = FileNode.decode(self.get_object(ref))
-        want = node.block_ids(offset, end)
-        return node, dict(zip(want, self.get_objects(want), strict=True))
+        got: dict[bytes, bytes] = {}
+        # A level at a time: the ids the walk reaches before it needs a node not yet
+        # fetched are fetched together (one round trip a level for a remote store).
+        while True:
+            batch: list[bytes] = []
+            try:
+                for _kind, oid in node.range_ids(offset, end, got.__getitem__):
+                    if oid not in got:
+                        batch.append(oid)
+            except KeyError:
+                pass
+            if not batch:
+                return node, got
+            got.update(zip(batch, self.get_objects(batch), strict=True))
 
     def get_range(self, oid: bytes, offset: int, length: int) -> bytes:
         """A byte range of an object (whole-object fetch unless overridden)."""

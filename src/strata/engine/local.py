@@ -877,12 +877,33 @@ class LocalStore(Store):
                 node = FileNode.decode(raw)
                 for path, size in claims.get(oid, ()):
                     check_entry_size(path, size, node)
-                for b in set(node.blocks):
-                    if b != ZERO_ID and b not in given and not self._indexer.has(b):
-                        raise InvalidInput(f"file node {oid.hex()} names block {b.hex()} "
-                                           "the store lacks")
-                    named.add(b)
+                self._check_file_tree(oid, node, given, nodes or {}, named)
         return named
+
+    def _check_file_tree(self, oid: bytes, node: FileNode, given: dict[bytes, int],
+                         nodes: dict[bytes, bytes], named: set[bytes]) -> None:
+        """Every chunk and child a file node names exists; children sent along agree with it.
+
+        A child node already in the store was checked when it arrived; one in
+        this publish is decoded and checked against its parent's entry (level
+        and length), so a reader never meets a tree whose parts disagree.
+        """
+        stack = [(oid, node)]
+        while stack:
+            nid, n = stack.pop()
+            for i, (_len, b) in enumerate(n.entries):
+                if b == ZERO_ID or b in named:
+                    continue
+                named.add(b)
+                if n.level and b in nodes:
+                    try:
+                        stack.append((b, n.child(i, nodes[b])))
+                    except ValueError as exc:
+                        raise InvalidInput(f"file node {nid.hex()}: {exc}") from None
+                elif b not in given and not self._indexer.has(b):
+                    what = "child node" if n.level else "block"
+                    raise InvalidInput(f"file node {nid.hex()} names {what} {b.hex()} "
+                                       "the store lacks")
 
     # -- maintenance ---------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ The byte layouts are documented in docs/format.md.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -142,53 +142,201 @@ def dir_entry(mode: int = 0o755, *, ref: bytes | None = None, uid: int = 0, gid:
     return Entry(kind=K_DIR, mode=mode, uid=uid, gid=gid, mtime_ns=mtime_ns, ref=ref)
 
 
+FILE_NODE_VERSIONS = (1, 2)  # 2: a tree of (length, id) entries cut by content (CDC)
+FILE_FANOUT_MAX = 512         # entries in one version 2 node: at most ~22 KiB encoded
+FILE_LEVEL_MAX = 8            # 512**8 entries is far past any file a size can name
+FILE_NODE_V2_MAX = 64 * 1024  # bytes of one encoded version 2 node (512 * 44 < 23 KiB)
+_V1_BLOCKS_MAX = 2 * 1024 * 1024  # a 64 MiB object holds no more 32-byte ids
+
+
 @dataclass(frozen=True, slots=True)
 class FileNode:
-    """A file's size and its blocks in order; a zero id marks a hole."""
+    """One node of a file's content: a list of (length, id) entries.
+
+    Version 2 (written now) is a tree: a level 0 node lists the file's chunks
+    in order, a zero id standing for a hole of that length; a node at level
+    L > 0 lists (length of the subtree, child file node id) with children of
+    level L - 1. The lengths of a node add up to its `size`. Version 1 (read
+    only) is one node of fixed-size blocks; decoding turns it into the same
+    level 0 entries, so readers walk both the same way.
+    """
 
     size: int
-    block_size: int
-    blocks: tuple[bytes, ...]
+    level: int
+    entries: tuple[tuple[int, bytes], ...]
+    version: int = 2
+    block_size: int = 0  # version 1: the block size the file was cut with
+
+    @classmethod
+    def v1(cls, size: int, block_size: int, blocks: Sequence[bytes]) -> FileNode:
+        """A version 1 node of fixed-size blocks (workspace block device extents)."""
+        entries = tuple((min(block_size, size - i * block_size), b)
+                        for i, b in enumerate(blocks))
+        return cls(size, 0, entries, 1, block_size)
+
+    @property
+    def blocks(self) -> tuple[bytes, ...]:
+        """The ids of a level 0 node's entries in order (zero id: hole)."""
+        if self.level:
+            raise ValueError("an inner file node holds child nodes, not blocks")
+        return tuple(oid for _n, oid in self.entries)
 
     def encode(self) -> bytes:
-        return packb([1, self.size, self.block_size, list(self.blocks)])
+        if self.version == 1:
+            return packb([1, self.size, self.block_size, list(self.blocks)])
+        return packb([2, self.size, self.level, [[n, oid] for n, oid in self.entries]])
 
     @classmethod
     def decode(cls, raw: bytes) -> FileNode:
+        """Decode and check a node of either version; ValueError names what is wrong.
+
+        Nodes come from clients and bucket writers: every count, length and id
+        is checked here, and a version 2 node is refused by its size before it
+        is unpacked, so a hostile one never costs more than 64 KiB to decode.
+        """
+        if len(raw) >= 2 and raw[0] == 0x94 and raw[1] not in FILE_NODE_VERSIONS and raw[1] < 0x80:
+            raise ValueError(f"file node format version {raw[1]} is not one this strata "
+                             f"reads ({', '.join(map(str, FILE_NODE_VERSIONS))}); "
+                             f"upgrade strata")
+        if raw[:2] == b"\x94\x02" and len(raw) > FILE_NODE_V2_MAX:
+            raise ValueError(f"file node of {len(raw)} bytes is larger than a version 2 node "
+                             f"can be ({FILE_NODE_V2_MAX})")
         v = unpackb(raw)
-        if not isinstance(v, list) or len(v) != 4 or v[0] != 1:
+        if not isinstance(v, list) or len(v) != 4 or not all(_is_int(x) for x in v[:3]):
             raise ValueError("malformed file node")
-        return cls(size=int(v[1]), block_size=int(v[2]), blocks=tuple(bytes(b) for b in v[3]))
+        version, size, third, items = v
+        if not isinstance(items, list) or not 0 <= size <= _I63:
+            raise ValueError("malformed file node: bad size or entry list")
+        if version == 1:
+            bs = third
+            if not 1 <= bs <= 1 << 30 or len(items) > _V1_BLOCKS_MAX or len(items) != -(
+                    -size // bs) or not all(isinstance(b, bytes) and len(b) == ID_LEN
+                                            for b in items):
+                raise ValueError("malformed version 1 file node: size, block size and "
+                                 "blocks disagree")
+            return cls.v1(size, bs, items)
+        if version != 2:
+            raise ValueError(f"file node format version {version} is not one this strata "
+                             f"reads ({', '.join(map(str, FILE_NODE_VERSIONS))}); "
+                             f"upgrade strata")
+        level = third
+        if not 0 <= level <= FILE_LEVEL_MAX or len(items) > FILE_FANOUT_MAX or (
+                not items and (size or level)):
+            raise ValueError("malformed file node: level or entry count out of range")
+        entries = []
+        total = 0
+        for x in items:
+            if not (isinstance(x, list) and len(x) == 2 and _is_int(x[0]) and x[0] > 0
+                    and isinstance(x[1], bytes) and len(x[1]) == ID_LEN):
+                raise ValueError("malformed file node entry: not [length > 0, 32-byte id]")
+            if level and x[1] == ZERO_ID:
+                raise ValueError("an inner file node names a hole as a child")
+            total += x[0]
+            entries.append((x[0], x[1]))
+        if total != size:
+            raise ValueError(f"file node entries add up to {total} bytes, its size says {size}")
+        return cls(size, level, tuple(entries))
 
-    def block_ids(self, offset: int, end: int) -> list[bytes]:
-        """The stored blocks covering bytes [offset, end): each id once, in order, no holes."""
+    def child(self, i: int, raw: bytes) -> FileNode:
+        """Decode the node this one names at entry `i`, checking that the two agree."""
+        node = FileNode.decode(raw)
+        length = self.entries[i][0]
+        if node.version != 2 or node.level != self.level - 1 or node.size != length:
+            raise ValueError(f"file node {self.entries[i][1].hex()} is not the level "
+                             f"{self.level - 1} node of {length} bytes its parent names")
+        return node
+
+    def spans(self, offset: int, end: int, get: Callable[[bytes], bytes]
+              ) -> Iterator[tuple[int, int, bytes]]:
+        """(file offset, length, id) of each chunk or hole overlapping [offset, end), in order.
+
+        Child nodes are fetched with `get` only where they cover the range, so
+        a read of a few bytes of a large file costs one node per level.
+        """
+        yield from self._spans(0, offset, end, get)
+
+    def _spans(self, base: int, offset: int, end: int, get: Callable[[bytes], bytes]
+               ) -> Iterator[tuple[int, int, bytes]]:
         if end <= offset:
-            return []
-        bs = self.block_size
-        span = self.blocks[offset // bs:(end - 1) // bs + 1]
-        return [b for b in dict.fromkeys(span) if b != ZERO_ID]
+            return
+        pos = base
+        for i, (n, oid) in enumerate(self.entries):
+            if pos >= end:
+                return
+            if pos + n > offset:
+                if self.level:
+                    yield from self.child(i, get(oid))._spans(pos, offset, end, get)
+                else:
+                    yield pos, n, oid
+            pos += n
 
-    def pieces(self, offset: int, end: int, fetch: Callable[[bytes], bytes]
+    def range_ids(self, offset: int, end: int, get: Callable[[bytes], bytes]
+                  ) -> Iterator[tuple[int, bytes]]:
+        """(kind, id) of the nodes below this one and the stored chunks that cover a range.
+
+        In the order a reader needs them (each node before what it names),
+        each id once, no holes: the order `get_file` answers in. `get` is
+        called for a child node only after its id has been yielded.
+        """
+        seen: set[bytes] = set()
+        yield from self._range_ids(0, offset, end, get, seen)
+
+    def _range_ids(self, base: int, offset: int, end: int, get: Callable[[bytes], bytes],
+                   seen: set[bytes]) -> Iterator[tuple[int, bytes]]:
+        if end <= offset:
+            return
+        pos = base
+        for i, (n, oid) in enumerate(self.entries):
+            if pos >= end:
+                return
+            if pos + n > offset and oid not in seen and oid != ZERO_ID:
+                seen.add(oid)
+                if self.level:
+                    yield FILENODE, oid
+                    yield from self.child(i, get(oid))._range_ids(pos, offset, end, get, seen)
+                else:
+                    yield BLOCK, oid
+            pos += n
+
+    def block_ids(self, offset: int, end: int, get: Callable[[bytes], bytes] | None = None
+                  ) -> list[bytes]:
+        """The stored chunks covering bytes [offset, end): each id once, in order, no holes."""
+        def no_get(oid: bytes) -> bytes:
+            raise ValueError("reading an inner file node needs a way to fetch its children")
+
+        return [oid for kind, oid in self.range_ids(offset, end, get or no_get)
+                if kind == BLOCK]
+
+    def all_block_ids(self, get: Callable[[bytes], bytes]) -> list[bytes]:
+        """Every stored chunk of the file, each once, in order."""
+        return self.block_ids(0, self.size, get)
+
+    def pieces(self, offset: int, end: int, fetch: Callable[[bytes], bytes],
+               get_node: Callable[[bytes], bytes] | None = None
                ) -> Iterator[tuple[int, bytes | None]]:
-        """(length, bytes) for each block's share of bytes [offset, end); None for a hole.
+        """(length, bytes) for each chunk's share of bytes [offset, end); None for a hole.
 
         Holes are never fetched, so a caller may keep them holes (export) or
-        read them as zeros. `fetch` returns a stored block by id.
+        read them as zeros. `fetch` returns a stored object by id: chunks, and
+        child file nodes too unless `get_node` is given for those.
         """
-        bs = self.block_size
-        for i in range(offset // bs, (end - 1) // bs + 1):
-            lo = max(offset - i * bs, 0)
-            hi = min(end - i * bs, bs)
-            oid = self.blocks[i]
+        for start, n, oid in self.spans(offset, end, get_node or fetch):
+            lo = max(offset - start, 0)
+            hi = min(end - start, n)
             if oid == ZERO_ID:
                 yield hi - lo, None
             else:
-                yield hi - lo, fit_block(fetch(oid), min(bs, self.size - i * bs))[lo:hi]
+                yield hi - lo, fit_block(fetch(oid), n)[lo:hi]
 
-    def read(self, offset: int, end: int, fetch: Callable[[bytes], bytes]) -> bytes:
-        """Bytes [offset, end) of the file, holes as zeros."""
+    def read(self, offset: int, end: int, fetch: Callable[[bytes], bytes],
+             get_node: Callable[[bytes], bytes] | None = None) -> bytes:
+        """Bytes [offset, end) of the file, holes as zeros (see `pieces`)."""
         return b"".join(bytes(n) if data is None else data
-                        for n, data in self.pieces(offset, end, fetch))
+                        for n, data in self.pieces(offset, end, fetch, get_node))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def fit_block(raw: bytes, length: int) -> bytes:
@@ -340,7 +488,9 @@ def references(kind: int, raw: bytes) -> list[tuple[int, bytes]]:
                        if e.ref is not None and e.kind in (K_DIR, K_FILE))
             return out
         if kind == FILENODE:
-            return [(BLOCK, b) for b in dict.fromkeys(FileNode.decode(raw).blocks)
+            fnode = FileNode.decode(raw)
+            child = FILENODE if fnode.level else BLOCK
+            return [(child, b) for b in dict.fromkeys(oid for _n, oid in fnode.entries)
                     if b != ZERO_ID]
         if kind == SNAPSHOT:
             root = Snapshot.decode(raw).root

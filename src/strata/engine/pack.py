@@ -22,8 +22,11 @@ import zstandard
 from strata.engine.errors import Corrupt, InvalidInput
 
 PACK_MAGIC = b"STRATAPK"
-PACK_VERSION = 4          # what this strata writes
-PACK_VERSIONS = (1, 2, 3, 4)  # what it reads
+PACK_VERSION = 5          # what this strata writes
+PACK_VERSIONS = (1, 2, 3, 4, 5)  # what it reads
+# v5: as v4; object records may hold version 2 file nodes (trees of content-defined
+# chunks): a v4 reader cannot decode them, and its garbage collection, finding no
+# references in a node it cannot read, would delete the file's chunks
 # v4: as v3; a commit record may hold a ["policy"] op (retention policies live in the
 # journal): a v3 reader would drop it silently and keep the wrong history
 # v3: as v2; a commit record may hold a ["state"] op (garbage collection writes the

@@ -4,7 +4,7 @@ A `Transaction` pins a branch's head, lets the caller read and change files
 as if the snapshot were a private copy, and on `commit` sends the change set
 to the store, which replays it onto a moved head or reports a conflict. It
 works against any `Store` (in-process or remote): content is cut into blocks
-here and only blocks the store lacks are uploaded.
+here (docs/format.md, File node) and only objects the store lacks are uploaded.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from strata.engine import filetree
 from strata.engine.errors import AlreadyExists, InvalidInput, NotFound
 from strata.engine.interface import ChangeSet, Store
 from strata.engine.names import check_branch, check_volume, split_path
 from strata.engine.objects import (
     BLOCK,
     EMPTY_TREE_ID,
-    FILENODE,
     INLINE_MAX,
     K_DIR,
     K_FILE,
@@ -38,7 +38,7 @@ INLINE_PUBLISH_BYTES = 4 * 1024 * 1024  # pending objects up to this size ride w
 
 
 class ContentWriter:
-    """Cuts file content into blocks and file nodes, uploading in batches.
+    """Cuts file content into chunks and file nodes, uploading in batches.
 
     Objects wait in `pending` until `flush`, which asks the store which ones it
     lacks and uploads only those. Reads see pending objects too.
@@ -87,49 +87,59 @@ class ContentWriter:
         return objs
 
     def block(self, data: bytes) -> bytes:
-        if data == bytes(len(data)):
+        if filetree.is_zero(data):
             return ZERO_ID
         return self.add(BLOCK, data)
 
     def file_entry(self, data: bytes, base: Entry) -> Entry:
-        """An entry holding `data`, with the metadata of `base`."""
+        """An entry holding `data`, with the metadata of `base`: cut into chunks by content."""
         if len(data) <= INLINE_MAX:
             return base.with_(kind=K_FILE, size=len(data), data=data, ref=None)
-        bs = self.block_size
-        blocks = tuple(self.block(data[i:i + bs]) for i in range(0, len(data), bs))
-        return self.node_entry(blocks, len(data), base)
+        _node, ref = filetree.build(filetree.chunk_entries(data, self.block), self.add)
+        return base.with_(kind=K_FILE, size=len(data), ref=ref, data=None)
+
+    def builder(self) -> FileBuilder:
+        """A file fed in pieces of any size (a tar member, a stream), cut as it comes."""
+        return FileBuilder(self)
 
     def node_entry(self, blocks: Sequence[bytes], size: int, base: Entry) -> Entry:
-        if size <= INLINE_MAX:
-            data = b"".join(self.read_block(b, self._blen(i, size)) for i, b in enumerate(blocks))
-            return base.with_(kind=K_FILE, size=size, data=data[:size], ref=None)
-        node = FileNode(size=size, block_size=self.block_size, blocks=tuple(blocks))
-        return base.with_(kind=K_FILE, size=size, ref=self.add(FILENODE, node.encode()),
-                          data=None)
+        """An entry over blocks cut at every `block_size` bytes (ids from `block`).
 
-    def _blen(self, i: int, size: int) -> int:
-        return max(0, min(self.block_size, size - i * self.block_size))
+        Kept for writers that cut fixed-size blocks themselves; their files
+        share nothing once bytes shift. `builder()` cuts by content.
+        """
+        bs = self.block_size
+        root, ref = filetree.build(
+            ((min(bs, size - i * bs), oid) for i, oid in enumerate(blocks)), self.add)
+        return self.tree_entry(root, ref, base)
+
+    def tree_entry(self, root: FileNode, ref: bytes, base: Entry) -> Entry:
+        """An entry for a file whose root node is `root`; small files go inline."""
+        if root.size <= INLINE_MAX:
+            data = root.read(0, root.size, self.get_object)
+            return base.with_(kind=K_FILE, size=root.size, data=data, ref=None)
+        return base.with_(kind=K_FILE, size=root.size, ref=ref, data=None)
+
+    def tree_of(self, e: Entry) -> tuple[FileNode, bytes]:
+        """A file's version 2 root node and its id.
+
+        Inline content is chunked; a version 1 node's blocks become chunks
+        without being read.
+        """
+        if e.ref is None:
+            return filetree.build(filetree.chunk_entries(e.data or b"", self.block), self.add)
+        node = FileNode.decode(self.get_object(e.ref))
+        if node.version == 2:
+            return node, e.ref
+        return filetree.as_tree(node, self.add)
 
     def read_block(self, oid: bytes, length: int) -> bytes:
         if oid == ZERO_ID:
             return bytes(length)
         return fit_block(self.get_object(oid), length)
 
-    def blocks_of(self, e: Entry) -> tuple[list[bytes], int]:
-        """A file's block ids (re-cut to this writer's block size) and its size."""
-        if e.ref is None:
-            data = e.data or b""
-            bs = self.block_size
-            return [self.block(data[i:i + bs]) for i in range(0, len(data), bs)], len(data)
-        node = FileNode.decode(self.get_object(e.ref))
-        if node.block_size != self.block_size:
-            data = self.read(e)
-            bs = self.block_size
-            return [self.block(data[i:i + bs]) for i in range(0, len(data), bs)], len(data)
-        return list(node.blocks), node.size
-
     def read(self, e: Entry, offset: int = 0, length: int | None = None) -> bytes:
-        """Bytes of a file entry; only the blocks covering the range are fetched."""
+        """Bytes of a file entry; only the nodes and chunks covering the range are fetched."""
         if e.kind != K_FILE:
             raise InvalidInput("not a regular file")
         end = e.size if length is None else min(e.size, offset + length)
@@ -140,50 +150,105 @@ class ContentWriter:
         fetched: dict[bytes, bytes] = {}
         if e.ref in self.pending:
             node = FileNode.decode(self.get_object(e.ref))
-        else:  # the node and its blocks in one round trip from a remote store
+        else:  # the nodes and chunks in one round trip from a remote store
             node, fetched = self.store.get_file(e.ref, offset, end)
-        wanted = [b for b in node.block_ids(offset, end)
-                  if b not in self.pending and b not in fetched]
-        if len(wanted) > 1:
-            fetched.update(zip(wanted, self.store.get_objects(wanted), strict=True))
 
         def fetch(oid: bytes) -> bytes:
             return fetched[oid] if oid in fetched else self.get_object(oid)
 
+        wanted = [b for b in node.block_ids(offset, end, fetch)
+                  if b not in self.pending and b not in fetched]
+        if len(wanted) > 1:
+            fetched.update(zip(wanted, self.store.get_objects(wanted), strict=True))
         return node.read(offset, end, fetch)
 
     def splice(self, e: Entry, offset: int, data: bytes | None, new_size: int | None = None
                ) -> Entry:
-        """Write `data` at `offset` (and/or resize) touching only the affected blocks."""
-        blocks, size = self.blocks_of(e)
-        bs = self.block_size
+        """Write `data` at `offset` (and/or resize), rewriting only what the change touches.
+
+        The chunks the write overlaps are re-cut by content from the start
+        of the first to the end of the last (inside a hole only the written
+        bytes are), and the nodes from those leaves to the root are
+        rewritten: a 4 KiB write into a 100 GiB file stores a few KiB.
+        """
+        root, ref = self.tree_of(e)
+        get = self.get_object
+        size = root.size
         if new_size is None:  # an empty write never changes the size, even past the end
             new_size = max(size, offset + len(data)) if data else size
-        nblocks = -(-new_size // bs)
-        touched: set[int] = set()
         if data:
-            touched.update(range(offset // bs, (offset + len(data) - 1) // bs + 1))
-        if size and new_size != size:
-            last_old = (size - 1) // bs
-            if last_old < nblocks:
-                touched.add(last_old)
-        old_blocks = blocks
-        blocks = (blocks + [ZERO_ID] * nblocks)[:nblocks]
-        for i in sorted(touched):
-            if i >= nblocks:
-                continue
-            blen = min(bs, new_size - i * bs)
-            old = self.read_block(old_blocks[i], min(bs, max(0, size - i * bs))) if (
-                i < len(old_blocks)) else b""
-            buf = bytearray(old[:blen])
-            buf.extend(bytes(blen - len(buf)))
-            if data:
-                lo = max(offset, i * bs)
-                hi = min(offset + len(data), i * bs + blen)
-                if lo < hi:
-                    buf[lo - i * bs:hi - i * bs] = data[lo - offset:hi - offset]
-            blocks[i] = self.block(bytes(buf))
-        return self.node_entry(blocks, new_size, e)
+            end = offset + len(data)
+            if end > size:  # grow with a hole first, then write into it
+                root, ref = filetree.replace_range(root, size, size, [(end - size, ZERO_ID)],
+                                                   get, self.add)
+                size = end
+            spans = list(root.spans(offset, end, get))
+            lo = spans[0][0] if spans[0][2] != ZERO_ID else offset
+            if offset and spans[0][2] == ZERO_ID and spans[0][0] == offset:
+                # Written right after a chunk (an append): cut that chunk again with the
+                # new bytes, so appends make the chunks of the whole written at once.
+                prev = next(root.spans(offset - 1, offset, get))
+                if prev[2] != ZERO_ID:
+                    spans.insert(0, prev)
+                    lo = prev[0]
+            last = spans[-1]
+            hi = last[0] + last[1] if last[2] != ZERO_ID else end
+            buf = bytearray(hi - lo)
+            for start, n, oid in spans:
+                if oid != ZERO_ID:
+                    buf[start - lo:start - lo + n] = self.read_block(oid, n)
+            buf[offset - lo:end - lo] = data
+            root, ref = filetree.replace_range(
+                root, lo, hi, filetree.chunk_entries(buf, self.block), get, self.add)
+        if new_size > size:
+            root, ref = filetree.replace_range(root, size, size, [(new_size - size, ZERO_ID)],
+                                               get, self.add)
+        elif new_size < size:
+            start, n, oid = next(root.spans(new_size, new_size + 1, get))
+            if oid == ZERO_ID or start == new_size:
+                root, ref = filetree.replace_range(root, new_size, size, [], get, self.add)
+            else:
+                head = self.read_block(oid, n)[:new_size - start]
+                root, ref = filetree.replace_range(root, start, size,
+                                                   [(len(head), self.block(head))], get,
+                                                   self.add)
+        return self.tree_entry(root, ref, e)
+
+
+class FileBuilder:
+    """One file's content written in pieces through a ContentWriter, cut by content.
+
+    Memory is the piece being written plus one unfinished chunk; the chunks
+    and nodes are those of the same bytes written whole with `file_entry`.
+    """
+
+    def __init__(self, cw: ContentWriter) -> None:
+        self.cw = cw
+        self.size = 0
+        self._small = bytearray()  # the first bytes, while the file could still be inline
+        self._chunker = filetree.Chunker()
+        self._tree = filetree.TreeBuilder(cw.add)
+
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size <= INLINE_MAX:
+            self._small += data
+            return
+        if self._small:
+            data, self._small = bytes(self._small) + data, bytearray()
+        self._add(self._chunker.feed(data))
+
+    def _add(self, pieces: list[bytes]) -> None:
+        for piece in pieces:
+            self._tree.add(len(piece), self.cw.block(piece))
+
+    def entry(self, base: Entry) -> Entry:
+        """The finished file's entry, with the metadata of `base`."""
+        if self.size <= INLINE_MAX:
+            return base.with_(kind=K_FILE, size=self.size, data=bytes(self._small), ref=None)
+        self._add(self._chunker.finish())
+        root, ref = self._tree.finish()
+        return self.cw.tree_entry(root, ref, base)
 
 
 class Transaction:

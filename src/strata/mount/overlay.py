@@ -392,8 +392,8 @@ class UpperScanner:
         size = st.st_size
         out.files_hashed += 1
         out.bytes_hashed += size
-        bs = self.block_size
-        new: dict[bytes, tuple[int, bytes | None]] = {}  # id -> offset, bytes if held
+        new: dict[bytes, tuple[int, int, bytes | None]] = {}  # id -> offset, length, bytes
+        nodes: dict[bytes, bytes] = {}
         holding = 0
 
         def put(offset: int, data: bytes) -> bytes:
@@ -401,30 +401,36 @@ class UpperScanner:
             oid = object_id(BLOCK, data)
             if oid not in new:
                 held = out.objects.held_bytes + holding + len(data) <= HELD_BYTES
-                new[oid] = (offset, data if held else None)
+                new[oid] = (offset, len(data), data if held else None)
                 holding += len(data) if held else 0
             return oid
 
-        content = localfile.file_content(real, size, bs, put)
-        if not isinstance(content, FileNode):
+        def put_node(kind: int, raw: bytes) -> bytes:
+            oid = object_id(kind, raw)
+            nodes[oid] = raw
+            return oid
+
+        content = localfile.file_content(real, size, put, put_node)
+        if not isinstance(content, tuple):
             return self._entry(real, st, size=size, data=content)
-        node = content.encode()
-        ref = object_id(FILENODE, node)
+        _root, ref = content
         e = self._entry(real, st, size=size, ref=ref)
         if _same_file(e, lower):
             return e  # the snapshot's own file: nothing to upload
         lower_blocks: set[bytes] = set()
         if lower is not None and lower.kind == K_FILE and lower.ref is not None:
+            get = self.trees.source.get_object
             with contextlib.suppress(StrataError, ValueError):
-                lower_blocks = set(FileNode.decode(self.trees.source.get_object(lower.ref)).blocks)
-        for oid, (offset, kept) in new.items():
+                lower_blocks = set(FileNode.decode(get(lower.ref)).all_block_ids(get))
+        for oid, (offset, length, kept) in new.items():
             if oid in lower_blocks:
                 continue
             if kept is not None:
                 out.objects.put(oid, BLOCK, kept)
             else:
-                out.objects.put_block(oid, real, offset, min(bs, size - offset))
-        out.objects.put(ref, FILENODE, node)
+                out.objects.put_block(oid, real, offset, length)
+        for oid, raw in nodes.items():
+            out.objects.put(oid, FILENODE, raw)
         return e
 
 

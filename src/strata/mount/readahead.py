@@ -27,7 +27,10 @@ the next window started only when the reader reached it. Here:
   too, so a second mount reads ahead just as well.
 - Memory is bounded: at most `hot_limit` bytes of ready blocks (least
   recently used dropped first; a dropped block is read from the disk cache
-  again) and at most MAX_AHEAD blocks requested ahead of each stream.
+  again) and at most MAX_AHEAD units (16 MiB) requested ahead of each stream.
+- Streams count in 64 KiB units of the file, not in blocks: chunks are cut
+  by content and vary in size, so the file's nodes name the chunks under
+  each window (`ids_in`), fetching a node only where a window reaches it.
 
 Nothing here knows FUSE; `vfs.SnapshotFS` calls `plan` and `block`.
 """
@@ -35,27 +38,34 @@ Nothing here knows FUSE; `vfs.SnapshotFS` calls `plan` and `block`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from strata.engine.errors import Corrupt
+from strata.engine.filetree import CDC_MAX
 from strata.engine.interface import Store
-from strata.engine.objects import BLOCK, ZERO_ID
+from strata.engine.objects import BLOCK
 from strata.mount.cache import ContentCache, matches
 
 log = logging.getLogger(__name__)
 
-MIN_AHEAD = 16      # blocks read ahead at first: 1 MiB at the default block size
+UNIT = 64 * 1024    # the stream's unit of file bytes (chunks vary in size; ~ one chunk)
+MIN_AHEAD = 16      # units read ahead at first: 1 MiB
 MAX_AHEAD = 256     # 16 MiB
 # One request's answer stays under 1 MiB: the server (memtrim) maps every buffer of
 # 1 MiB or more on its own, and the page faults of a fresh mapping at each copy of a
 # large answer cost more than the extra requests.
 REQUEST_BYTES = 1024 * 1024 - 64 * 1024
+# Units a request covers: a window's chunks may run past its end by up to one
+# chunk (the one straddling the start came with the window before), so the
+# window leaves room for the largest chunk.
+PER_REQUEST = (REQUEST_BYTES - CDC_MAX) // UNIT
 WORKERS = 4
 HOT_LIMIT = 96 * 1024 * 1024
 WRITE_QUEUE_BYTES = 64 * 1024 * 1024
@@ -64,11 +74,11 @@ STREAM_CACHE_BYTES = 8 * 1024 * 1024  # cached per stream when the server is loc
 
 @dataclass(slots=True)
 class _Stream:
-    next: int = 0         # first block not yet requested
-    last_read: int = -1   # last block a read asked for
-    ahead: int = MIN_AHEAD  # blocks requested beyond the last read, doubling while in order
-    mark: int = MIN_AHEAD // 2  # the read-ahead doubles when a read reaches this block
-    kept: int = 0         # blocks of this stream sent to the disk cache
+    next: int = 0         # first unit not yet requested
+    last_read: int = -1   # last unit a read asked for
+    ahead: int = MIN_AHEAD  # units requested beyond the last read, doubling while in order
+    mark: int = MIN_AHEAD // 2  # the read-ahead doubles when a read reaches this unit
+    kept: int = 0         # units of this stream sent to the disk cache
     prev: tuple[int, int] = (-1, -1)  # the last read planned
 
 
@@ -90,52 +100,72 @@ class ReadAhead:
 
     # -- planning --------------------------------------------------------------------
 
-    def plan(self, key: int, blocks: Sequence[bytes], block_size: int, first: int, last: int,
-             store: Store) -> None:
-        """Make sure blocks [first, last] are requested, and more ahead if reads are in order."""
-        per_request = max(1, REQUEST_BYTES // block_size)
+    def plan(self, key: int, size: int, ids_in: Callable[[int, int], list[bytes]],
+             first: int, last: int, store: Store) -> None:
+        """Make sure units [first, last] are requested, and more ahead if reads are in order.
+
+        A unit is UNIT bytes of the file; `ids_in(lo, hi)` names the stored
+        chunks covering bytes [lo, hi) (chunks have no fixed size, so the
+        stream counts in units and asks the file's nodes which chunks they
+        are). If `ids_in` raises, nothing is planned and the stream is as before.
+        """
+        per_request = PER_REQUEST
+        units = -(-size // UNIT)
         with self._lock:
             s = self._streams.get(key)
             if s is None:
                 s = self._streams[key] = _Stream()
             if s.prev == (first, last):
                 return  # the same read planned again (the adapter's retry on a thread)
+            saved = dataclasses.replace(s)
+            try:
+                batches = self._plan(s, ids_in, units, per_request, first, last)
+            except BaseException:
+                self._streams[key] = saved
+                raise
             s.prev = (first, last)
-            # The kernel sends several reads of one file at once, so they arrive a little
-            # out of order: "in order" is anywhere near what this stream has requested.
-            again = first == 0 and s.last_read > last + MAX_AHEAD  # from the start again
-            sequential = first == 0 or s.last_read - MAX_AHEAD <= first <= s.next + per_request
-            if again or not sequential:
-                # A jump: start over from here, with a short read-ahead.
-                s.next = first
-                s.ahead = MIN_AHEAD
-                s.last_read = last
-                s.mark = last + MIN_AHEAD // 2
-            elif last >= s.mark:
-                # The reader got halfway through the last growth: it reads in order, so
-                # look twice as far ahead (as the kernel's own readahead grows).
-                s.ahead = min(s.ahead * 2, MAX_AHEAD)
-                s.mark = last + s.ahead // 2
-            s.next = max(s.next, first)
-            s.last_read = max(s.last_read, last)
-            last = s.last_read
-            stop = min(len(blocks), last + 1 + (s.ahead if sequential else 0))
-            batches: list[tuple[list[bytes], bool]] = []
-            while s.next < stop:
-                batch = [oid for oid in blocks[s.next:s.next + per_request]
-                         if oid != ZERO_ID and oid not in self._hot
-                         and oid not in self._pending]
-                batch = list(dict.fromkeys(batch))
-                s.next += per_request
-                if batch:
-                    for oid in batch:
-                        self._pending[oid] = Future()
-                    keep = self.cache_streams or s.kept * block_size < STREAM_CACHE_BYTES
-                    s.kept += len(batch) if keep else 0
-                    batches.append((batch, keep))
+            for batch, _keep in batches:
+                for oid in batch:
+                    self._pending[oid] = Future()
         for batch, keep in batches:
             self.windows += 1
             self._pool.submit(self._fetch, batch, store, keep)
+
+    def _plan(self, s: _Stream, ids_in: Callable[[int, int], list[bytes]], units: int,
+              per_request: int, first: int, last: int) -> list[tuple[list[bytes], bool]]:
+        # The kernel sends several reads of one file at once, so they arrive a little
+        # out of order: "in order" is anywhere near what this stream has requested.
+        again = first == 0 and s.last_read > last + MAX_AHEAD  # from the start again
+        sequential = first == 0 or s.last_read - MAX_AHEAD <= first <= s.next + per_request
+        if again or not sequential:
+            # A jump: start over from here, with a short read-ahead.
+            s.next = first
+            s.ahead = MIN_AHEAD
+            s.last_read = last
+            s.mark = last + MIN_AHEAD // 2
+        elif last >= s.mark:
+            # The reader got halfway through the last growth: it reads in order, so
+            # look twice as far ahead (as the kernel's own readahead grows).
+            s.ahead = min(s.ahead * 2, MAX_AHEAD)
+            s.mark = last + s.ahead // 2
+        s.next = max(s.next, first)
+        s.last_read = max(s.last_read, last)
+        last = s.last_read
+        stop = min(units, last + 1 + (s.ahead if sequential else 0))
+        batches: list[tuple[list[bytes], bool]] = []
+        planned: set[bytes] = set()
+        while s.next < stop:
+            lo = s.next * UNIT
+            batch = [oid for oid in ids_in(lo, lo + per_request * UNIT)
+                     if oid not in self._hot and oid not in self._pending
+                     and oid not in planned]
+            s.next += per_request
+            if batch:
+                planned.update(batch)
+                keep = self.cache_streams or s.kept * UNIT < STREAM_CACHE_BYTES
+                s.kept += per_request if keep else 0
+                batches.append((batch, keep))
+        return batches
 
     def forget(self, key: int) -> None:
         with self._lock:

@@ -286,12 +286,16 @@ def _needed(changes: dict[str, Entry | None], scan: Scan, out: dict[bytes, Objec
 
 
 def _collect(scan: Scan, ref: bytes, out: dict[bytes, ObjectSet]) -> None:
-    """A file node and the new blocks it names (read only when uploaded)."""
+    """A file's new nodes and the new chunks they name (chunks read only when uploaded)."""
     out[ref] = scan.objects
     _kind, raw = scan.objects[ref]  # file nodes are always held
-    for b in FileNode.decode(raw).blocks:
-        if b in scan.objects:
-            out[b] = scan.objects
+    node = FileNode.decode(raw)
+    for _n, b in node.entries:
+        if b in scan.objects and b not in out:
+            if node.level:
+                _collect(scan, b, out)
+            else:
+                out[b] = scan.objects
 
 
 def _upload(store: Store, objects: dict[bytes, ObjectSet]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from strata.engine.interface import Store
@@ -22,14 +23,13 @@ from strata.engine.objects import (
     K_DIR,
     K_FILE,
     K_SYMLINK,
-    ZERO_ID,
     Entry,
     FileNode,
     dir_entry,
 )
 from strata.engine.tree import NodeCache, Trees
 from strata.mount.cache import ContentCache
-from strata.mount.readahead import ReadAhead
+from strata.mount.readahead import UNIT, ReadAhead
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,9 @@ class FsError(Exception):
         super().__init__(errno.errorcode.get(err, str(err)))
         self.errno = err
 
+
+class _NotReady(Exception):
+    """A node a read that must not wait needs is not in the cache yet."""
 
 @dataclass(slots=True)
 class Node:
@@ -197,7 +200,7 @@ class SnapshotFS:
     # -- content -------------------------------------------------------------------
 
     def file_node(self, ino: int) -> FileNode | None:
-        """The block list of a file (None for inline content)."""
+        """The root file node of a file (None for inline content)."""
         n = self.node(ino)
         if n.entry.kind != K_FILE:
             raise FsError(errno.EISDIR if n.entry.kind == K_DIR else errno.EINVAL)
@@ -207,8 +210,22 @@ class SnapshotFS:
         raw = self.cache.get(n.entry.ref, src.store.get_object, (FILENODE,))
         return FileNode.decode(raw)
 
+    def _node_getter(self, ino: int, *, wait: bool = True) -> Callable[[bytes], bytes]:
+        """Fetches a file's inner nodes through the cache (or, not waiting, only from it)."""
+        src = self._sources[self._vol_of[ino]]
+
+        def get(oid: bytes) -> bytes:
+            if wait:
+                return self.cache.get(oid, src.store.get_object, (FILENODE,))
+            raw = self.cache.load(oid, (FILENODE,))
+            if raw is None:
+                raise _NotReady
+            return raw
+
+        return get
+
     def prefetch(self, ino: int) -> None:
-        """Fetch a small file's blocks at open; large files are fetched as read."""
+        """Fetch a small file's chunks at open; large files are fetched as read."""
         n = self.node(ino)
         if n.entry.kind != K_FILE or n.entry.ref is None or n.entry.size > self.large_file:
             return
@@ -216,15 +233,16 @@ class SnapshotFS:
         if fnode is None:
             return
         src = self._sources[self._vol_of[ino]]
-        self.cache.get_many([b for b in fnode.blocks if b != ZERO_ID], src.store.get_objects,
+        self.cache.get_many(fnode.all_block_ids(self._node_getter(ino)), src.store.get_objects,
                             (BLOCK,))
 
     def read_nowait(self, ino: int, offset: int, size: int, fnode: FileNode | None
                     ) -> bytes | None:
-        """A large file's bytes if every block they need is verified and in memory, else None.
+        """A large file's bytes if every chunk they need is verified and in memory, else None.
 
         Never blocks (the adapter calls it on its event loop); it still plans the
         read-ahead, so the threaded `read` that follows a None finds windows in flight.
+        A file whose inner nodes are not in the cache yet is left to that `read`.
         """
         n = self._nodes.get(ino)
         if n is None or fnode is None or n.entry.kind != K_FILE or n.entry.size <= self.large_file:
@@ -232,18 +250,23 @@ class SnapshotFS:
         end = min(n.entry.size, offset + size)
         if offset >= end:
             return None
-        bs = fnode.block_size
-        first, last = offset // bs, (end - 1) // bs
-        self.readahead.plan(ino, fnode.blocks, bs, first, last,
-                            self._sources[self._vol_of[ino]].store)
-        got: dict[bytes, bytes] = {}
-        for oid in fnode.blocks[first:last + 1]:
-            if oid != ZERO_ID and oid not in got:
+        get = self._node_getter(ino, wait=False)
+        try:
+            self.readahead.plan(ino, fnode.size, lambda lo, hi: fnode.block_ids(lo, hi, get),
+                                offset // UNIT, (end - 1) // UNIT,
+                                self._sources[self._vol_of[ino]].store)
+            got: dict[bytes, bytes] = {}
+            for oid in fnode.block_ids(offset, end, get):
                 data = self.readahead.ready(oid)
                 if data is None:
                     return None
                 got[oid] = data
-        return fnode.read(offset, end, got.__getitem__)
+        except _NotReady:
+            return None
+        try:
+            return fnode.read(offset, end, got.__getitem__, get)
+        except _NotReady:
+            return None
 
     def read(self, ino: int, offset: int, size: int, fnode: FileNode | None = None) -> bytes:
         n = self.node(ino)
@@ -259,10 +282,13 @@ class SnapshotFS:
             fnode = self.file_node(ino)
         assert fnode is not None
         src = self._sources[self._vol_of[ino]]
-        bs = fnode.block_size
+        get = self._node_getter(ino)
         if e.size > self.large_file:
             store = src.store
-            self.readahead.plan(ino, fnode.blocks, bs, offset // bs, (end - 1) // bs, store)
-            return fnode.read(offset, end, lambda oid: self.readahead.block(oid, store))
+            node = fnode
+            self.readahead.plan(ino, fnode.size, lambda lo, hi: node.block_ids(lo, hi, get),
+                                offset // UNIT, (end - 1) // UNIT, store)
+
+            return fnode.read(offset, end, lambda oid: self.readahead.block(oid, store), get)
         return fnode.read(offset, end,
-                          lambda oid: self.cache.get(oid, src.store.get_object, (BLOCK,)))
+                          lambda oid: self.cache.get(oid, src.store.get_object, (BLOCK,)), get)

@@ -419,10 +419,10 @@ class RemoteStore(Store):
 
     def get_file(self, ref: bytes, offset: int, end: int
                  ) -> tuple[FileNode, dict[bytes, bytes]]:
-        """The file node and the blocks of [offset, end) that fit one lean answer.
+        """The root file node, and the nodes and chunks of [offset, end) that fit one answer.
 
-        Every object is verified against its id; blocks the answer left out
-        are the caller's to read. Without the lean stream: two requests.
+        Every object is verified against its id; what the answer left out is
+        the caller's to read. Without the lean stream: a request a level.
         """
         got = self._lean_call("get_file", ref, offset, end)
         if got is _MISS:
@@ -430,15 +430,22 @@ class RemoteStore(Store):
         if not (isinstance(got, list) and len(got) == 2 and isinstance(got[0], bytes)
                 and isinstance(got[1], list) and all(isinstance(b, bytes) for b in got[1])):
             raise InvalidInput("the server's file read answer is malformed")
-        raw, blocks = got
+        raw, objs = got
         if object_id(FILENODE, raw) != ref:
             raise Corrupt("server", 0,
                           f"the bytes sent for file node {ref.hex()} do not match its id")
         node = FileNode.decode(raw)
-        want = node.block_ids(offset, end)
-        if len(blocks) > len(want):
+        # Walk the range as the server did: each object sent is the next id of the walk.
+        sent = iter(objs)
+        out: dict[bytes, bytes] = {}
+        for _kind, oid in node.range_ids(offset, end, out.__getitem__):
+            data = next(sent, None)
+            if data is None:
+                break
+            out[oid] = _verified(oid, data)
+        if next(sent, None) is not None:
             raise InvalidInput("the server's file read answer has blocks it was not asked for")
-        return node, {oid: _verified(oid, b) for oid, b in zip(want, blocks, strict=False)}
+        return node, out
 
     def get_objects(self, ids: Sequence[bytes]) -> list[bytes]:
         out: list[bytes] = []

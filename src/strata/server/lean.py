@@ -45,7 +45,7 @@ import msgpack
 from strata.engine.errors import InvalidInput, StrataError, Unavailable
 from strata.engine.local import LocalStore
 from strata.engine.names import check_branch, check_hex_id, check_volume, split_path
-from strata.engine.objects import ID_LEN, K_DIR, K_SYMLINK, Entry, FileNode
+from strata.engine.objects import FILENODE, ID_LEN, K_DIR, K_SYMLINK, Entry, FileNode
 from strata.engine.tree import Trees
 from strata.server import app as api
 from strata.server import wire
@@ -224,10 +224,12 @@ class LeanServer:
 
     def _get_file(self, ref: bytes, offset: int, end: int,
                   answer_held: contextlib.ExitStack) -> list[Any]:
-        """A file node and the blocks covering [offset, end) that fit one answer.
+        """A file's root node, then the nodes below it and the chunks of [offset, end).
 
-        The blocks come in the order of their first appearance in the range,
-        holes left out, so the client knows which id each one is.
+        The objects come in the order `FileNode.range_ids` walks the range
+        (each node before what it names, holes left out, each id once), so
+        the client, walking the same way, knows which id each one is. As many
+        as fit one answer.
         """
         if not 0 <= offset <= end:
             raise InvalidInput("a file range is 0 <= offset <= end")
@@ -235,10 +237,17 @@ class LeanServer:
         raw = store.get_object(ref)
         try:
             node = FileNode.decode(raw)
+            nodes: dict[bytes, bytes] = {}
+            want: list[bytes] = []
+            for kind, oid in node.range_ids(offset, end, nodes.__getitem__):
+                want.append(oid)
+                if len(want) >= MAX_BATCH_GET:
+                    break
+                if kind == FILENODE:
+                    nodes[oid] = store.get_object(oid)
         except (ValueError, TypeError, KeyError, IndexError):
             raise InvalidInput(f"{ref.hex()} is not a file node") from None
         self._served(1, len(raw))
-        want = node.block_ids(offset, end)[:MAX_BATCH_GET]
         return [raw, self._read_fitting(store, want, len(raw), answer_held)]
 
     def _publish(self, body: bytes) -> dict[str, Any]:

@@ -516,7 +516,7 @@ class Device:
             if all(oid == ZERO_ID for oid in ids):
                 changes[extent_path(x)] = None
                 continue
-            raw = FileNode(self.layout.extent, self.layout.block, tuple(ids)).encode()
+            raw = FileNode.v1(self.layout.extent, self.layout.block, ids).encode()
             nodes.append((FILENODE, raw))
             changes[extent_path(x)] = Entry(kind=K_FILE, mode=0o600, size=self.layout.extent,
                                             ref=object_id(FILENODE, raw))

@@ -154,9 +154,10 @@ def check(raw: Any) -> dict[str, Any]:
         raise InvalidInput(f"unknown request fields {sorted(extra)}")
     _check_common(raw)
     argv = raw.get("argv")
-    if (not isinstance(argv, list) or not 0 < len(argv) <= MAX_ARGS
+    least = 0 if raw.get("image") is not None else 1  # an image may name its own command
+    if (not isinstance(argv, list) or not least <= len(argv) <= MAX_ARGS
             or not all(isinstance(a, str) and "\0" not in a for a in argv)):
-        raise InvalidInput(f"argv must be 1 to {MAX_ARGS} strings without NUL")
+        raise InvalidInput(f"argv must be {least} to {MAX_ARGS} strings without NUL")
     texts = raw.get("specs")
     if (not isinstance(texts, list) or len(texts) > MAX_SPECS
             or not all(isinstance(t, str) for t in texts)):
@@ -185,7 +186,7 @@ def check(raw: Any) -> dict[str, Any]:
     image = raw.get("image")
     if image is not None:
         if not isinstance(image, str):
-            raise InvalidInput("image must be VOLUME[@BRANCH] or null")
+            raise InvalidInput("image must be VOLUME[@BRANCH], NAME:TAG or null")
         image = parse_image(image)
     for name in ("network", "identical"):
         if not isinstance(raw.get(name), bool):

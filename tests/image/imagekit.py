@@ -116,6 +116,13 @@ def build_layout(root: Path, tag: str = "t") -> Path:
                     "--config.env", "GREETING=the image",
                     "--config.env", "PATH=/bin",
                     "--config.workingdir", "/data"], check=True)
+    # A second version, tag `TAG-2`: one more layer on top.
+    tar = root / "layer3.tar"
+    with tarfile.open(tar, "w", format=tarfile.PAX_FORMAT) as tf:
+        _add(tf, "data/keep.txt", data=b"version 3\n", mtime=T0 + 20)
+        _add(tf, "data/added.txt", data=b"new in version 2 of the image\n", mtime=T0 + 20)
+    subprocess.run(["umoci", "raw", "add-layer", "--image", f"{layout}:{tag}", "--tag",
+                    f"{tag}-2", str(tar)], check=True)
     return layout
 
 
@@ -209,3 +216,60 @@ def differences(a: Desc, b: Desc) -> list[str]:
         if a.get(path) != b.get(path):
             out.append(f"{path!r}: {a.get(path)} != {b.get(path)}")
     return out
+
+
+# -- hand-made layouts, for layers no tool would write -------------------------------
+
+GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
+PLAIN = "application/vnd.oci.image.layer.v1.tar"
+
+
+def tar_bytes(*members: tuple[str, dict[str, Any]]) -> bytes:
+    """A tar of (name, fields) members: fields as for `_add` (type, data, linkname...)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, fields in members:
+            _add(tf, name, **fields)
+    return buf.getvalue()
+
+
+def write_layout(root: Path, layers: list[bytes], *, media: str = GZIP, tag: str = "t",
+                 config: dict[str, Any] | None = None, diff_ids: list[str] | None = None
+                 ) -> Path:
+    """An OCI layout of `layers` (uncompressed tars, compressed here as `media` says)."""
+    import gzip
+    import json
+
+    blobs = root / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def put(raw: bytes) -> tuple[str, int]:
+        digest = hashlib.sha256(raw).hexdigest()
+        (blobs / digest).write_bytes(raw)
+        return f"sha256:{digest}", len(raw)
+
+    descs, ids = [], []
+    for tar in layers:
+        ids.append(f"sha256:{hashlib.sha256(tar).hexdigest()}")
+        if media == GZIP:
+            raw = gzip.compress(tar, mtime=0)
+        elif media == ZSTD:
+            import zstandard
+            raw = zstandard.ZstdCompressor().compress(tar)
+        else:
+            raw = tar
+        digest, size = put(raw)
+        descs.append({"mediaType": media, "digest": digest, "size": size})
+    cfg = {"architecture": "amd64", "os": "linux", "config": config or {},
+           "rootfs": {"type": "layers", "diff_ids": diff_ids if diff_ids is not None else ids}}
+    cdigest, csize = put(json.dumps(cfg).encode())
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                           "digest": cdigest, "size": csize}, "layers": descs}
+    mdigest, msize = put(json.dumps(manifest).encode())
+    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": mdigest,
+         "size": msize, "annotations": {"org.opencontainers.image.ref.name": tag}}]}))
+    (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    return root

@@ -231,7 +231,7 @@ def _pick_manifest(files: _Files, index: dict[str, Any], tag: str | None, where:
         else:
             names = sorted(str((d.get("annotations") or {}).get(REF_NAME)) for d in descs)
             raise InvalidInput(f"{where} holds {len(descs)} images ({', '.join(names)}): "
-                               f"name one as SOURCE:REF")
+                               f"name one with --source-ref")
     d = descs[0]
     return d, (d.get("annotations") or {}).get(REF_NAME)
 
@@ -312,7 +312,7 @@ def open_docker(path: str, tag: str | None = None) -> ImageSource:
             if not items:
                 raise NotFound(f"no image tagged {tag!r} in {path}")
         if len(items) > 1:
-            raise InvalidInput(f"{path} holds {len(items)} images: name one as SOURCE:REPO:TAG")
+            raise InvalidInput(f"{path} holds {len(items)} images: name one with --source-ref")
         item = items[0]
         cname = item.get("Config")
         if not isinstance(cname, str):

@@ -86,7 +86,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_rm)
 
 
-def _resolve(store: Store, text: str) -> tuple[str, str, str]:
+def resolve_image(store: Store, text: str) -> tuple[str, str, str]:
     """(volume, tag or "", snapshot id) of an IMAGE argument; it must hold an image."""
     from strata.image.meta import image_branches
     from strata.image.refs import parse_image_ref
@@ -152,7 +152,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_log(args: argparse.Namespace) -> int:
     with open_store(args) as store:
-        _vol, _tag, sid = _resolve(store, args.image)
+        _vol, _tag, sid = resolve_image(store, args.image)
         infos = [i for i in store.log(sid, args.limit)
                  if not (i.parent is None and i.time_ns == 0)]
     if args.json:
@@ -166,8 +166,8 @@ def cmd_log(args: argparse.Namespace) -> int:
 def cmd_diff(args: argparse.Namespace) -> int:
     from strata.engine.tree import Trees, change_kind
     with open_store(args) as store:
-        sid_a = _resolve(store, args.image_a)[2]
-        sid_b = _resolve(store, args.image_b)[2]
+        sid_a = resolve_image(store, args.image_a)[2]
+        sid_b = resolve_image(store, args.image_b)[2]
         rows = [{"path": path, "change": change_kind(old, new)} for path, old, new in
                 Trees(store).diff(store.snapshot(sid_a).root, store.snapshot(sid_b).root)]
     if args.json:
@@ -181,7 +181,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from strata.image.meta import find_meta
     with open_store(args) as store:
-        vol, tag, sid = _resolve(store, args.image)
+        vol, tag, sid = resolve_image(store, args.image)
         meta = find_meta(store, sid) or {}
     print_json({"name": vol, "tag": tag, "snapshot": sid, **meta})
     return 0
@@ -191,7 +191,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from strata.image.export import export_oci
     from strata.image.meta import find_meta
     with open_store(args) as store:
-        vol, tag, sid = _resolve(store, args.image)
+        vol, tag, sid = resolve_image(store, args.image)
         digest = export_oci(store, sid, args.dir, tag=args.tag or tag or "latest",
                             meta=find_meta(store, sid))
     print(digest)

@@ -12,6 +12,7 @@ from bench import (
     day,
     engine,
     gc,
+    image,
     mount,
     sandbox,
     scale,
@@ -36,10 +37,11 @@ def main() -> None:
     ap.add_argument("--churn-rounds", type=int, default=None,
                     help="rounds of the GC churn on a mount (default 20, 5 with --quick)")
     ap.add_argument("--only",
-                    default="engine,server,bucket,gc,mount,steps,sandbox,ui,speed,workspace,day",
+                    default="engine,server,bucket,gc,mount,steps,sandbox,ui,speed,workspace,"
+                            "image,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
-                         "steps, sandbox, ui, speed, workspace, day, scale; scale is left out of "
-                         "the default)")
+                         "steps, sandbox, ui, speed, workspace, image, day, scale; scale is "
+                         "left out of the default)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -77,6 +79,13 @@ def main() -> None:
     if ws_rows:
         print_table("strata workspaces: baselines from the same run", ws_rows)
     speed_rows += ws_rows
+    image_rows = image.run(args.dir, quick=args.quick) if "image" in groups else []
+    if image_rows:
+        print_table("strata images: import beside `umoci unpack` of the same image, same run",
+                    image_rows, baseline="umoci unpack",
+                    caption="ratio = strata's time / umoci's (throughput: umoci's rate / "
+                    "strata's): 1.0 is parity")
+    speed_rows += image_rows
     scale_rows = scale.run(args.dir, quick=args.quick, large=args.large) \
         if "scale" in groups else []
     if scale_rows:

@@ -96,3 +96,32 @@ def test_import_from_a_tarball_of_a_plain_root_is_refused_clearly(cenv: StrataEn
         tf.add(__file__, "etc/file")
     p = cenv.run("image", "import", str(tmp_path / "root.tar"), "x", rc=2)
     assert "not an OCI layout, oci-archive or docker-archive" in p.stderr
+
+
+def test_the_web_view_lists_images(tmp_path: Path, images: Images) -> None:
+    import http.client
+
+    from serverutil import Server, cli, free_port
+    env = StrataEnv(tmp_path)
+    env.run("init")
+    env.run("image", "import", str(images.docker_archive), "app:1")
+    env.run("volume", "create", "plain")
+    env.run("serve", "--stop", rc=None)
+    server = Server(env.store, tcp_port=free_port()).start()
+    try:
+        assert server.tcp_port is not None
+        got = {}
+        for vol in ("app", "plain"):  # a read-only token of each, as `strata ui` makes
+            made = cli("token", "create", vol, "--ro", "--json", store=env.store)
+            assert made.returncode == 0, made.stderr
+            tok = json.loads(made.stdout)["token"]
+            conn = http.client.HTTPConnection("127.0.0.1", server.tcp_port, timeout=30)
+            conn.request("GET", "/ui/api/volumes", headers={"Cookie": f"strata_ui={tok}"})
+            body = json.loads(conn.getresponse().read())
+            conn.close()
+            got[vol] = body["volumes"][0]
+        assert got["app"]["image"] == {"ref": "app:1", "source": "docker-archive"}
+        assert [b["name"] for b in got["app"]["branches"]] == ["1"]
+        assert got["plain"]["image"] is None
+    finally:
+        server.stop()

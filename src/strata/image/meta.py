@@ -29,7 +29,7 @@ def find_meta(store: Store, sid: str, depth: int = 64) -> dict[str, Any] | None:
     """
     for info in store.log(sid, depth):
         meta = info.meta.get(META_KEY)
-        if isinstance(meta, dict):
+        if isinstance(meta, dict) and meta.get("v") == META_VERSION:  # a newer one: unknown
             return meta
     return None
 

@@ -72,6 +72,7 @@ def test_leading_slash_and_dot_slash_are_read_from_the_image_root(store: LocalSt
 @pytest.mark.parametrize("member", [
     ("up", {"type": tarfile.SYMTYPE, "linkname": ".."}),
     ("etc/up", {"type": tarfile.SYMTYPE, "linkname": "../../../etc/shadow"}),
+    ("etc/abs", {"type": tarfile.SYMTYPE, "linkname": "/../etc/shadow"}),
     ("etc/hard", {"type": tarfile.LNKTYPE, "linkname": "../etc/passwd"}),
     ("etc/hard", {"type": tarfile.LNKTYPE, "linkname": "etc/missing"}),
 ])
@@ -83,8 +84,19 @@ def test_links_that_escape_are_refused(kept: LocalStore, tmp_path: Path,
 
 def test_a_parent_through_a_symlink_that_climbs_out_is_refused(kept: LocalStore,
                                                                tmp_path: Path) -> None:
-    layer = tar_bytes(("root", {"type": tarfile.SYMTYPE, "linkname": "/.."}),
-                      ("root/evil", {"data": b"x"}))
+    layer = tar_bytes(("d/", DIR), ("d/e/", DIR),
+                      ("d/e/up", {"type": tarfile.SYMTYPE, "linkname": "../.."}),
+                      ("d/e/up/x", {"type": tarfile.SYMTYPE, "linkname": ".."}),
+                      ("d/e/up/x/evil", {"data": b"x"}))
+    _refused(kept, _layout(tmp_path, layer), "climbs out")
+
+
+def test_a_symlink_placed_through_a_symlink_is_judged_where_it_really_sits(
+        kept: LocalStore, tmp_path: Path) -> None:
+    """`d/e/up/x -> ..` reads as two levels down, but `d/e/up` is the root itself."""
+    layer = tar_bytes(("d/", DIR), ("d/e/", DIR),
+                      ("d/e/up", {"type": tarfile.SYMTYPE, "linkname": "../.."}),
+                      ("d/e/up/x", {"type": tarfile.SYMTYPE, "linkname": ".."}))
     _refused(kept, _layout(tmp_path, layer), "climbs out")
 
 

@@ -225,6 +225,7 @@ class ImageTree:
         # directories and whiteouts (both act on the layers below only).
         self._added: set[tuple[int, str]] = set()
         self._seen: set[str] = set()
+        self._depth = 0  # of the directory `_dir` found last
 
     # -- paths -----------------------------------------------------------------
 
@@ -265,6 +266,7 @@ class ImageTree:
             elif child.entry.kind != K_DIR:
                 raise LayerRefused(f"refusing the layer: a parent of {what} is not a directory")
             stack.append(child)
+        self._depth = len(stack) - 1  # where the path really is, symlinks followed
         return stack[-1]
 
     # -- one layer ---------------------------------------------------------------
@@ -325,7 +327,7 @@ class ImageTree:
                 old.entry = self._meta(ti, K_DIR)  # metadata only: the contents stay
                 self._added.add(slot)
                 return
-            node = Node(self._entry(tf, ti, kind, parts, budget))
+            node = Node(self._entry(tf, ti, kind, self._depth, budget))
         parent.children[base] = node
         self._added.add(slot)
 
@@ -365,23 +367,26 @@ class ImageTree:
         return Entry(kind=kind, mode=ti.mode & 0o7777, uid=ti.uid, gid=ti.gid,
                      mtime_ns=_mtime_ns(ti), xattrs=_xattrs(ti))
 
-    def _entry(self, tf: tarfile.TarFile, ti: tarfile.TarInfo, kind: int, parts: list[str],
+    def _entry(self, tf: tarfile.TarFile, ti: tarfile.TarInfo, kind: int, depth: int,
                budget: Budget) -> Entry:
+        """A new entry; `depth` is where its directory really is (symlinks followed)."""
         meta = self._meta(ti, kind)
         if kind == K_SYMLINK:
             target = ti.linkname
             if not target or "\0" in target or len(encode_name(target)) > MAX_PATH:
                 raise LayerRefused(f"refusing the layer: symlink {ti.name!r} has a bad target")
-            if not target.startswith("/"):
-                depth = len(parts) - 1
-                for c in target.split("/"):
-                    if c == "..":
-                        depth -= 1
-                        if depth < 0:
-                            raise LayerRefused(f"refusing the layer: symlink {ti.name!r} -> "
-                                               f"{target!r} climbs out of the image")
-                    elif c not in ("", "."):
-                        depth += 1
+            # Relative targets start where the link really sits (its directory's
+            # depth with symlinks followed), absolute ones at the image root.
+            if target.startswith("/"):
+                depth = 0
+            for c in target.split("/"):
+                if c == "..":
+                    depth -= 1
+                    if depth < 0:
+                        raise LayerRefused(f"refusing the layer: symlink {ti.name!r} -> "
+                                           f"{target!r} climbs out of the image")
+                elif c not in ("", "."):
+                    depth += 1
             data = encode_name(target)
             return meta.with_(mode=0o777, size=len(data), data=data)
         if kind in (K_CHR, K_BLK):

@@ -66,6 +66,17 @@ def test_a_command_line_replaces_cmd_and_the_volumes_publish(ienv: StepEnv, imag
     assert ienv.head("busy@latest") == before  # what the step did to the root is gone
 
 
+def test_entrypoint_replaces_the_images(ienv: StepEnv, images: Images) -> None:
+    ienv.run("image", "import", str(images.oci_archive), "busy")
+    p = _run(ienv, "--sandbox", "bwrap", "--image", "busy", "--entrypoint", "",
+             "--", "/bin/cat", "keep.txt")
+    assert (p.returncode, p.stdout) == (0, "version 2\n"), p.stderr
+    p = _run(ienv, "--sandbox", "bwrap", "--image", "busy", "--entrypoint", "/bin/pwd")
+    assert (p.returncode, p.stdout) == (0, "/data\n"), p.stderr  # the image's Cmd is dropped
+    p = _run(ienv, "--sandbox", "bwrap", "--entrypoint", "/bin/pwd", "-v", "x", "--", "x")
+    assert p.returncode == 125 and "give --image" in p.stderr  # as any refused step
+
+
 def test_a_volume_without_config_still_needs_a_command(ienv: StepEnv, images: Images) -> None:
     ienv.run("volume", "create", "plain")
     ienv.run("import", "plain", str(images.rootfs))

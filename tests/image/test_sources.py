@@ -110,6 +110,8 @@ def test_an_images_config_makes_the_process_as_docker_run_does() -> None:
     assert image_process(cfg, ["echo other"]).argv == ["/bin/sh", "-c", "echo other"]
     assert image_process({"Cmd": ["true"]}, ["ls"]).argv == ["ls"]
     assert image_process({"User": "root"}, ["x"]).uid == 0
+    assert image_process(cfg, [], entrypoint="/bin/env").argv == ["/bin/env"]
+    assert image_process(cfg, ["ls", "/"], entrypoint="").argv == ["ls", "/"]
     with pytest.raises(InvalidInput, match="names none"):
         image_process({}, [])
     with pytest.raises(InvalidInput, match="numeric"):

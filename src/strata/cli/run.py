@@ -59,6 +59,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                         "start; what the step changes in it is thrown away. An image's config "
                         "applies as in docker run: CMD replaces its Cmd after its "
                         "Entrypoint, and its Env, WorkingDir and User are the step's")
+    p.add_argument("--entrypoint", metavar="CMD", default=None,
+                   help="with --image: run CMD instead of the image's Entrypoint (and drop "
+                        "its Cmd), as docker run --entrypoint; '' runs the command line alone")
     p.add_argument("--takeover", action="store_true",
                    help="with --root: take the workspace over even if it is attached on this "
                         "host (that attach is fenced; what it writes after is dropped)")
@@ -103,6 +106,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         argv = argv[1:]
     if not argv and args.image is None:  # an image may name its own command
         raise InvalidInput("no command given (strata run -v VOL -- CMD ...)")
+    if args.entrypoint is not None and args.image is None:
+        raise InvalidInput("--entrypoint applies to an image's config: give --image")
     if args.root is not None:
         if args.image is not None:
             raise InvalidInput("give --root or --image, not both")
@@ -130,7 +135,8 @@ def _run(args: argparse.Namespace, argv: list[str], root: tuple[str, str] | None
         result = run_step(store, specs, argv, sandbox=args.sandbox, timeout=args.timeout,
                           memory=args.memory, network=args.network, message=args.message,
                           identical=args.merge_identical, root=root, pids=args.pids,
-                          disk=args.disk, image=image, takeover=args.takeover)
+                          disk=args.disk, image=image, takeover=args.takeover,
+                          entrypoint=args.entrypoint)
     return _report(args, result.to_json())
 
 
@@ -144,11 +150,14 @@ def _via_service(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     store = os.path.abspath(store_path(args))
     if not client.server_answers(store):
         ensure_server(store)
-    return client.call(store, {
+    request = {
         "argv": argv, "specs": list(args.specs), "sandbox": args.sandbox,
         "timeout": args.timeout, "memory": args.memory, "network": args.network,
         "pids": args.pids, "disk": args.disk, "image": args.image,
-        "message": args.message, "identical": args.merge_identical})
+        "message": args.message, "identical": args.merge_identical}
+    if args.entrypoint is not None:  # only when given: an older service knows no such field
+        request["entrypoint"] = args.entrypoint
+    return client.call(store, request)
 
 
 def _report(args: argparse.Namespace, result: dict[str, Any]) -> int:

@@ -42,8 +42,15 @@ def _user(text: str) -> tuple[int, int]:
     return uid, gid
 
 
-def image_process(runtime: dict[str, Any], argv: list[str]) -> ImageProcess:
-    """The step's process from an image's runtime config and the command line given."""
+def image_process(runtime: dict[str, Any], argv: list[str], *,
+                  entrypoint: str | None = None) -> ImageProcess:
+    """The step's process from an image's runtime config and the command line given.
+
+    `entrypoint` (``--entrypoint``) replaces the image's Entrypoint and, as in
+    docker, drops its Cmd; "" leaves no Entrypoint at all.
+    """
+    if entrypoint is not None:
+        runtime = {**runtime, "Entrypoint": [entrypoint] if entrypoint else [], "Cmd": []}
     entry = list(runtime.get("Entrypoint") or [])
     cmd = list(argv) if argv else list(runtime.get("Cmd") or [])
     full = entry + cmd

@@ -148,7 +148,7 @@ def check(raw: Any) -> dict[str, Any]:
     if op != "step":
         raise InvalidInput(f"op must be 'step' or 'mount', not {op!r}")
     known = {"v", "op", "argv", "specs", "sandbox", "timeout", "memory", "network", "message",
-             "identical", "env", "cwd", "umask", "pids", "disk", "image"}
+             "identical", "env", "cwd", "umask", "pids", "disk", "image", "entrypoint"}
     extra = set(raw) - known
     if extra:
         raise InvalidInput(f"unknown request fields {sorted(extra)}")
@@ -188,6 +188,10 @@ def check(raw: Any) -> dict[str, Any]:
         if not isinstance(image, str):
             raise InvalidInput("image must be VOLUME[@BRANCH], NAME:TAG or null")
         image = parse_image(image)
+    entrypoint = raw.get("entrypoint")
+    if entrypoint is not None and (image is None or not isinstance(entrypoint, str)
+                                   or "\0" in entrypoint):
+        raise InvalidInput("entrypoint must be a string without NUL, with an image, or null")
     for name in ("network", "identical"):
         if not isinstance(raw.get(name), bool):
             raise InvalidInput(f"{name} must be true or false")

@@ -161,7 +161,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
              on_done: Callable[[StepResult], None] | None = None,
              root: tuple[str, str] | None = None, pids: int | None = DEFAULT_PIDS,
              disk: int | None = None, image: VolumeSpec | None = None,
-             takeover: bool = False) -> StepResult:
+             takeover: bool = False, entrypoint: str | None = None) -> StepResult:
     """Run `argv` as one transaction over `specs` (see the module docstring).
 
     `mounter` is a mount process forked already (the step service forks it
@@ -178,7 +178,9 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
 
     With `image` (a volume holding a root filesystem) the sandbox's root is
     that volume as of the step's start, mounted lazily like any volume, with
-    a writable layer that is thrown away: only the volumes persist.
+    a writable layer that is thrown away: only the volumes persist. An
+    imported image's config gives the command, environment, directory and
+    user (run/imagecfg.py); `entrypoint` replaces its Entrypoint and Cmd.
     """
     if image is not None and root is not None:
         raise InvalidInput("give a workspace root or an image, not both")
@@ -215,7 +217,8 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
         process = None
         if image is not None:  # the image's own command, environment, directory and user
             from strata.image.meta import find_meta, runtime_of
-            process = image_process(runtime_of(find_meta(store, pinned[-1])), argv)
+            process = image_process(runtime_of(find_meta(store, pinned[-1])), argv,
+                                    entrypoint=entrypoint)
             argv = process.argv
         vols = []
         for spec, head in zip(specs, pinned[:len(specs)], strict=True):

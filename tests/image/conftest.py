@@ -3,29 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from imagekit import build_layout, skopeo_copy, umoci_unpack
+from imagekit import TAG, Images, build_layout, skopeo_copy, umoci_unpack
 
 from strata.engine.local import LocalStore, init_store
-
-TAG = "t"
-
-
-@dataclass(frozen=True)
-class Images:
-    """The same two-layer image as an OCI layout, an oci-archive and a docker-archive."""
-
-    layout: Path
-    oci_archive: Path
-    docker_archive: Path
-    rootfs: Path  # `umoci unpack` of it, the reference every import is compared with
-
-    def source(self, kind: str) -> Path:
-        return {"oci": self.layout, "oci-archive": self.oci_archive,
-                "docker-archive": self.docker_archive}[kind]
 
 
 @pytest.fixture(scope="session")

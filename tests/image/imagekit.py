@@ -19,6 +19,7 @@ import shutil
 import stat
 import subprocess
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,23 @@ from strata.engine.interface import Store
 from strata.engine.objects import K_BLK, K_CHR, K_DIR, K_FIFO, K_FILE, K_SYMLINK, Entry
 from strata.engine.tree import Trees, decode_name
 from strata.engine.txn import ContentWriter
+
+TAG = "t"
+
+
+@dataclass(frozen=True)
+class Images:
+    """The same two-layer image as an OCI layout, an oci-archive and a docker-archive."""
+
+    layout: Path
+    oci_archive: Path
+    docker_archive: Path
+    rootfs: Path  # `umoci unpack` of it, the reference every import is compared with
+
+    def source(self, kind: str) -> Path:
+        return {"oci": self.layout, "oci-archive": self.oci_archive,
+                "docker-archive": self.docker_archive}[kind]
+
 
 BUSYBOX = "/bin/busybox"
 T0 = 1_700_000_000

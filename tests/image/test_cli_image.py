@@ -9,10 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from imagekit import tar_bytes, write_layout
+from imagekit import TAG, Images, tar_bytes, write_layout
 from run_harness import StepEnv, mounts_under
 
-from conftest import TAG, Images
 from strata_harness import StrataEnv
 
 

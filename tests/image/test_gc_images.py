@@ -6,9 +6,16 @@ import os
 from pathlib import Path
 
 import pytest
-from imagekit import differences, tar_bytes, tree_of_dir, tree_of_snapshot, write_layout
+from imagekit import (
+    TAG,
+    Images,
+    differences,
+    tar_bytes,
+    tree_of_dir,
+    tree_of_snapshot,
+    write_layout,
+)
 
-from conftest import TAG, Images
 from strata.engine import gc as gcmod
 from strata.engine.errors import InvalidInput
 from strata.engine.local import LocalStore

@@ -16,9 +16,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from imagekit import differences, tree_of_dir, tree_of_snapshot, umoci_unpack
+from imagekit import TAG, Images, differences, tree_of_dir, tree_of_snapshot, umoci_unpack
 
-from conftest import TAG, Images
 from strata.engine.local import LocalStore
 from strata.engine.objects import K_DIR, Entry
 from strata.engine.tree import Trees, decode_name

@@ -116,3 +116,22 @@ def test_an_images_config_makes_the_process_as_docker_run_does() -> None:
         image_process({}, [])
     with pytest.raises(InvalidInput, match="numeric"):
         image_process({"User": "nginx"}, ["x"])
+
+
+@pytest.mark.parametrize("fmt", ["gnu", "posix"])
+def test_a_sparse_member_within_the_budget_imports_whole(store: LocalStore, tmp_path: Path,
+                                                         fmt: str) -> None:
+    import subprocess
+    work = tmp_path / "w"
+    work.mkdir()
+    with open(work / "sparse", "wb") as f:
+        f.seek(3 << 20)
+        f.write(b"data in the middle")
+        f.seek(8 << 20)
+        f.write(b"end")
+    subprocess.run(["tar", "--sparse", f"--format={fmt}", "-C", str(work), "-cf",
+                    str(tmp_path / "s.tar"), "sparse"], check=True)
+    layout = write_layout(tmp_path / "l", [(tmp_path / "s.tar").read_bytes()])
+    sid = import_image(store, str(layout), "img", "t")
+    want = hashlib.sha256((work / "sparse").read_bytes()).hexdigest()
+    assert tree_of_snapshot(store, sid)["sparse"][5][0] == want

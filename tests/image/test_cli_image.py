@@ -124,3 +124,13 @@ def test_the_web_view_lists_images(tmp_path: Path, images: Images) -> None:
         assert got["plain"]["image"] is None
     finally:
         server.stop()
+
+
+def test_skopeo_style_sources(cenv: StrataEnv, images: Images) -> None:
+    cenv.run("image", "import", f"oci:{images.layout}:{TAG}-2", "a:1")
+    cenv.run("image", "import", f"oci-archive:{images.oci_archive}", "a:2")
+    cenv.run("image", "import", f"docker-archive:{images.docker_archive}:img:{TAG}", "a:3")
+    diff = json.loads(cenv.run("image", "diff", "a:2", "a:1", "--json").stdout)
+    assert [d["path"] for d in diff] == ["data/added.txt", "data/keep.txt"]
+    cenv.run("image", "import", f"oci:{images.layout}:{TAG}", "a:4", "--source-ref", "x",
+             rc=2)

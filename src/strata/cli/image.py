@@ -35,7 +35,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                     "refused and nothing is published.")
     p.add_argument("source", metavar="SOURCE",
                    help="OCI layout directory, oci-archive or docker-archive file, or a root "
-                        "directory (one without oci-layout, e.g. mmdebstrap's output)")
+                        "directory (one without oci-layout, e.g. mmdebstrap's output); "
+                        "skopeo's oci:DIR:REF, oci-archive:FILE:REF and "
+                        "docker-archive:FILE:REPO:TAG work too")
     p.add_argument("image", metavar="NAME[:TAG]")
     p.add_argument("--source-ref", metavar="REF", default=None,
                    help="which image of a SOURCE that holds several: its OCI ref name, or a "
@@ -121,9 +123,13 @@ def cmd_import(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():
             print(f"importing {iref}: {what}", file=sys.stderr)
 
+    from strata.image.sources import parse_source
+    path, ref = parse_source(args.source)
+    if ref is not None and args.source_ref is not None and ref != args.source_ref:
+        raise InvalidInput(f"{args.source!r} names {ref!r}, --source-ref {args.source_ref!r}")
     with open_store(args) as store:
-        sid = import_image(store, args.source, iref.volume, iref.branch, ref=iref.given,
-                           tag=args.source_ref, limits=limits, message=args.message,
+        sid = import_image(store, path, iref.volume, iref.branch, ref=iref.given,
+                           tag=args.source_ref or ref, limits=limits, message=args.message,
                            progress=progress)
     print(sid)
     return 0

@@ -300,6 +300,18 @@ def _diff_ids(config: dict[str, Any], n: int) -> list[str | None]:
 # -- a docker-archive (docker save, podman save, skopeo copy docker-archive:) -------
 
 
+def _docker_name(name: str) -> str:
+    """A docker reference in full, as docker and skopeo write RepoTags (docker.io/library/img:t)."""
+    head, slash, _rest = name.partition("/")
+    if not slash:
+        name = f"docker.io/library/{name}"
+    elif "." not in head and ":" not in head and head != "localhost":
+        name = f"docker.io/{name}"
+    if ":" not in name.rpartition("/")[2]:
+        name += ":latest"
+    return name
+
+
 def open_docker(path: str, tag: str | None = None) -> ImageSource:
     files = _Files(path)
     try:
@@ -308,7 +320,8 @@ def open_docker(path: str, tag: str | None = None) -> ImageSource:
             raise LayerRefused("refusing the image: manifest.json lists no images")
         items = [_obj(m, "a manifest.json item") for m in manifest]
         if tag is not None:
-            items = [m for m in items if tag in (m.get("RepoTags") or [])]
+            items = [m for m in items if _docker_name(tag) in
+                     {_docker_name(str(t)) for t in m.get("RepoTags") or []}]
             if not items:
                 raise NotFound(f"no image tagged {tag!r} in {path}")
         if len(items) > 1:
@@ -342,6 +355,30 @@ def open_docker(path: str, tag: str | None = None) -> ImageSource:
     except BaseException:
         files.close()
         raise
+
+
+TRANSPORTS = ("oci:", "oci-archive:", "docker-archive:")
+
+
+def parse_source(text: str) -> tuple[str, str | None]:
+    """A SOURCE as skopeo names one, or a plain path: (path, ref or None).
+
+    skopeo's forms are ``oci:DIR[:REF]``, ``oci-archive:FILE[:REF]`` and
+    ``docker-archive:FILE[:REPO:TAG]``. A path that exists as given is a
+    path, whatever it looks like.
+    """
+    if os.path.exists(text):
+        return text, None
+    for prefix in TRANSPORTS:
+        if text.startswith(prefix):
+            rest = text[len(prefix):]
+            if os.path.exists(rest):
+                return rest, None
+            path, sep, ref = rest.partition(":")
+            if sep and os.path.exists(path):
+                return path, ref or None
+            return rest, None
+    return text, None
 
 
 def open_source(path: str, tag: str | None = None) -> ImageSource:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -142,15 +143,14 @@ class CountingReader:
 class _SafeTarInfo(tarfile.TarInfo):
     """tarfile reads a PAX or long-name header whole into memory: cap it first."""
 
-    def _proc_member(self, tarfile: Any) -> Any:  # noqa: ANN401 - tarfile's own signature
-        if self.type in (tarfile_mod.XHDTYPE, tarfile_mod.XGLTYPE, tarfile_mod.SOLARIS_XHDTYPE,
-                         tarfile_mod.GNUTYPE_LONGNAME, tarfile_mod.GNUTYPE_LONGLINK) and (
-                self.size > MAX_HEADER):
+    def _proc_member(self, archive: Any) -> Any:  # noqa: ANN401 - tarfile's own signature
+        if self.type in _EXTENDED and self.size > MAX_HEADER:
             raise LayerRefused(f"refusing the layer: a {self.size}-byte extended header")
-        return super()._proc_member(tarfile)  # type: ignore[misc]
+        return super()._proc_member(archive)  # type: ignore[misc]
 
 
-tarfile_mod = tarfile
+_EXTENDED = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+             tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
 
 
 class Node:
@@ -390,7 +390,6 @@ class ImageTree:
             data = encode_name(target)
             return meta.with_(mode=0o777, size=len(data), data=data)
         if kind in (K_CHR, K_BLK):
-            import os
             return meta.with_(rdev=os.makedev(ti.devmajor, ti.devminor))
         if kind != K_FILE:
             return meta

@@ -135,3 +135,18 @@ def test_a_sparse_member_within_the_budget_imports_whole(store: LocalStore, tmp_
     sid = import_image(store, str(layout), "img", "t")
     want = hashlib.sha256((work / "sparse").read_bytes()).hexdigest()
     assert tree_of_snapshot(store, sid)["sparse"][5][0] == want
+
+
+def test_whiteouts_and_opaque_directories_act_on_the_layers_below_only(
+        store: LocalStore, tmp_path: Path) -> None:
+    dir_ = {"type": b"5", "mode": 0o755}
+    one = tar_bytes(("d/", dir_), ("d/a", {"data": b"a1"}), ("d/b", {"data": b"b1"}),
+                    ("o/", dir_), ("o/old", {"data": b"old"}))
+    two = tar_bytes(("o/new", {"data": b"new"}), ("o/.wh..wh..opq", {}),  # marker after
+                    ("d/x", {"data": b"x"}), ("d/.wh.x", {}),              # this layer's own
+                    ("d/.wh.a", {}), ("d/a", {"data": b"a2"}),             # hide, then re-add
+                    ("d/.wh.missing", {}), ("gone/.wh.y", {}))             # nothing to hide
+    tree = tree_of_snapshot(store, import_image(
+        store, str(write_layout(tmp_path / "l", [one, two])), "img", "t"))
+    assert sorted(tree) == ["d", "d/a", "d/b", "d/x", "o", "o/new"]
+    assert tree["d/a"][5][0] == hashlib.sha256(b"a2").hexdigest()

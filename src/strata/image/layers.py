@@ -223,7 +223,7 @@ class ImageTree:
         self.root = Node(Entry(kind=K_DIR, mode=0o755))
         # Per layer: which (directory, name) slots this layer filled, for opaque
         # directories and whiteouts (both act on the layers below only).
-        self._added: set[tuple[int, str]] = set()
+        self._added: set[tuple[Node, str]] = set()  # the Node held: an id could be reused
         self._seen: set[str] = set()
         self._depth = 0  # of the directory `_dir` found last
 
@@ -314,7 +314,7 @@ class ImageTree:
             return
         parent = self._dir(parts[:-1], create=True, what=repr(ti.name))
         assert parent is not None and parent.children is not None
-        slot = (id(parent), base)
+        slot = (parent, base)
         old = parent.children.get(base)
         if ti.islnk():
             node = self._hardlink(ti)
@@ -339,13 +339,13 @@ class ImageTree:
         base = parts[-1]
         if base == OPAQUE:
             for name in list(parent.children):
-                if (id(parent), name) not in self._added:
+                if (parent, name) not in self._added:
                     del parent.children[name]
             return
         name = base[len(WHITEOUT):]
         if name in ("", ".", "..") or name.startswith(".wh."):
             raise LayerRefused(f"refusing the layer: a whiteout of {name!r} ({ti.name!r})")
-        if (id(parent), name) not in self._added:  # a whiteout hides lower layers only
+        if (parent, name) not in self._added:  # a whiteout hides lower layers only
             parent.children.pop(name, None)
 
     def _hardlink(self, ti: tarfile.TarInfo) -> Node:

@@ -8,7 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
-from imagekit import tar_bytes, tree_of_snapshot, write_layout
+from imagekit import (
+    differences,
+    tar_bytes,
+    tree_of_dir,
+    tree_of_snapshot,
+    umoci_unpack,
+    write_layout,
+)
 
 from strata.engine.errors import InvalidInput, NotFound
 from strata.engine.local import LocalStore
@@ -145,8 +152,11 @@ def test_whiteouts_and_opaque_directories_act_on_the_layers_below_only(
     two = tar_bytes(("o/new", {"data": b"new"}), ("o/.wh..wh..opq", {}),  # marker after
                     ("d/x", {"data": b"x"}), ("d/.wh.x", {}),              # this layer's own
                     ("d/.wh.a", {}), ("d/a", {"data": b"a2"}),             # hide, then re-add
-                    ("d/.wh.missing", {}), ("gone/.wh.y", {}))             # nothing to hide
-    tree = tree_of_snapshot(store, import_image(
-        store, str(write_layout(tmp_path / "l", [one, two])), "img", "t"))
+                    ("d/.wh.missing", {}))                                 # nothing to hide
+    layout = write_layout(tmp_path / "l", [one, two])
+    tree = tree_of_snapshot(store, import_image(store, str(layout), "img", "t"))
     assert sorted(tree) == ["d", "d/a", "d/b", "d/x", "o", "o/new"]
     assert tree["d/a"][5][0] == hashlib.sha256(b"a2").hexdigest()
+    # umoci reads the same layers the same way.
+    rootfs = umoci_unpack(layout, "t", tmp_path / "bundle")
+    assert differences(tree, tree_of_dir(rootfs)) == []

@@ -13,6 +13,7 @@ from bench import (
     dedup,
     engine,
     gc,
+    image,
     mount,
     sandbox,
     scale,
@@ -37,11 +38,11 @@ def main() -> None:
     ap.add_argument("--churn-rounds", type=int, default=None,
                     help="rounds of the GC churn on a mount (default 20, 5 with --quick)")
     ap.add_argument("--only",
-                    default="engine,server,bucket,gc,mount,steps,sandbox,ui,speed,workspace,dedup,"
-                            "day",
+                    default="engine,server,bucket,gc,mount,steps,sandbox,ui,speed,workspace,"
+                            "dedup,image,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
-                         "steps, sandbox, ui, speed, workspace, dedup, day, scale; scale is left "
-                         "out of the default)")
+                         "steps, sandbox, ui, speed, workspace, dedup, image, day, scale; scale "
+                         "is left out of the default)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -86,6 +87,13 @@ def main() -> None:
                     caption="ratio = strata's bytes / the baseline's (below 1 is smaller); "
                     "throughput: baseline rate / strata's")
     speed_rows += dedup_rows
+    image_rows = image.run(args.dir, quick=args.quick) if "image" in groups else []
+    if image_rows:
+        print_table("strata images: import beside `umoci unpack` of the same image, same run",
+                    image_rows, baseline="umoci unpack",
+                    caption="ratio = strata's time / umoci's (throughput: umoci's rate / "
+                    "strata's): 1.0 is parity")
+    speed_rows += image_rows
     scale_rows = scale.run(args.dir, quick=args.quick, large=args.large) \
         if "scale" in groups else []
     if scale_rows:

@@ -19,6 +19,7 @@ import os
 import stat as st
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from strata import localfile
 from strata.engine.errors import InvalidInput, NotFound
@@ -99,7 +100,8 @@ def _read_file(cw: ContentWriter, loc: _Local) -> tuple[bytes | None, bytes | No
 
 def import_dir(store: Store, volume: str, branch: str, src_dir: str, *,
                base: str | None = None, message: str = "",
-               progress: Progress | None = None, identical: bool = False) -> str:
+               progress: Progress | None = None, identical: bool = False,
+               snapshot_meta: dict[str, Any] | None = None) -> str:
     """Make the branch's tree equal to `src_dir`, as one change set; return the new head.
 
     The change set holds only what differs from `base` (default: the branch
@@ -207,6 +209,7 @@ def import_dir(store: Store, volume: str, branch: str, src_dir: str, *,
         progress(done, total)
     cw.flush()
     (sid,) = store.publish([ChangeSet(volume, branch, base, changes, message,
+                                      dict(snapshot_meta or {}),
                                       identical=identical)])
     return sid
 

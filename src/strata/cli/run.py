@@ -53,10 +53,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="a workspace as the sandbox's whole root filesystem (durable, "
                         "not a transaction: what the command writes stays); volumes given "
                         "with -v are at /storage in it, published on exit 0 as in any step")
-    p.add_argument("--image", metavar="VOLUME[@BRANCH]", default=None,
-                   help="the sandbox's root filesystem from a volume (e.g. one that "
-                        "`strata import` filled from mmdebstrap), read lazily as of the "
-                        "step's start; what the step changes in it is thrown away")
+    p.add_argument("--image", metavar="NAME[:TAG]|VOLUME[@BRANCH]", default=None,
+                   help="the sandbox's root filesystem from an image (`strata image import`) "
+                        "or a volume holding a root directory, read lazily as of the step's "
+                        "start; what the step changes in it is thrown away. An image's config "
+                        "applies as in docker run: CMD replaces its Cmd after its "
+                        "Entrypoint, and its Env, WorkingDir and User are the step's")
+    p.add_argument("--entrypoint", metavar="CMD", default=None,
+                   help="with --image: run CMD instead of the image's Entrypoint (and drop "
+                        "its Cmd), as docker run --entrypoint; '' runs the command line alone")
     p.add_argument("--takeover", action="store_true",
                    help="with --root: take the workspace over even if it is attached on this "
                         "host (that attach is fenced; what it writes after is dropped)")
@@ -99,13 +104,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     argv = list(args.cmd)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    if not argv:
+    if not argv and args.image is None:  # an image may name its own command
         raise InvalidInput("no command given (strata run -v VOL -- CMD ...)")
+    if args.entrypoint is not None and args.image is None:
+        raise InvalidInput("--entrypoint applies to an image's config: give --image")
     if args.root is not None:
         if args.image is not None:
             raise InvalidInput("give --root or --image, not both")
         return _run_root(args, argv)
-    if not args.specs:  # a step is a transaction over volumes: name at least one
+    if not args.specs and args.image is None:  # a transaction over volumes, or an image
         raise InvalidInput("no volume given (strata run -v VOL -- CMD ..., "
                            "or --root ws:NAME for a workspace as the whole root)")
     if server_url(args) is None and os.environ.get("STRATA_RUN_IN_PROCESS") != "1":
@@ -128,7 +135,8 @@ def _run(args: argparse.Namespace, argv: list[str], root: tuple[str, str] | None
         result = run_step(store, specs, argv, sandbox=args.sandbox, timeout=args.timeout,
                           memory=args.memory, network=args.network, message=args.message,
                           identical=args.merge_identical, root=root, pids=args.pids,
-                          disk=args.disk, image=image, takeover=args.takeover)
+                          disk=args.disk, image=image, takeover=args.takeover,
+                          entrypoint=args.entrypoint)
     return _report(args, result.to_json())
 
 
@@ -142,11 +150,14 @@ def _via_service(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     store = os.path.abspath(store_path(args))
     if not client.server_answers(store):
         ensure_server(store)
-    return client.call(store, {
+    request = {
         "argv": argv, "specs": list(args.specs), "sandbox": args.sandbox,
         "timeout": args.timeout, "memory": args.memory, "network": args.network,
         "pids": args.pids, "disk": args.disk, "image": args.image,
-        "message": args.message, "identical": args.merge_identical})
+        "message": args.message, "identical": args.merge_identical}
+    if args.entrypoint is not None:  # only when given: an older service knows no such field
+        request["entrypoint"] = args.entrypoint
+    return client.call(store, request)
 
 
 def _report(args: argparse.Namespace, result: dict[str, Any]) -> int:

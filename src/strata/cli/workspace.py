@@ -22,6 +22,7 @@ from strata.engine.errors import InvalidInput
 from strata.engine.names import check_branch
 
 if TYPE_CHECKING:
+    from strata.engine.interface import Store
     from strata.server.client import RemoteStore
 
 
@@ -39,6 +40,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", metavar="DIR", default=None,
                    help="copy DIR in (owners, modes, links, xattrs kept), e.g. a root "
                         "filesystem mmdebstrap built")
+    p.add_argument("--seed-image", metavar="IMAGE", default=None,
+                   help="copy an image in (NAME[:TAG], NAME@TAG or NAME#SNAPSHOT; see "
+                        "`strata image import`), owners, modes, links, xattrs, set-id bits "
+                        "and device nodes kept")
     p.set_defaults(func=cmd_create)
 
     p = wsub.add_parser("attach", parents=[common],
@@ -78,14 +83,48 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def cmd_create(args: argparse.Namespace) -> int:
     from strata.workspace.device import Layout, create
+    if args.seed is not None and args.seed_image is not None:
+        raise InvalidInput("give --seed or --seed-image, not both")
     size = -(-args.size // (1 << 20)) << 20  # whole extents
     with open_store(args) as store:
+        image = _image_snapshot(store, args.seed_image) if args.seed_image else None
         head = create(store, args.name, Layout(size=size, block=args.block_size))
     if args.seed is not None:
         with open_remote(args) as remote:
             head = _seed(remote, args.name, args.seed)
+    if image is not None:
+        with open_remote(args) as remote:
+            head = _seed_image(remote, args.name, image)
     print(head)
     return 0
+
+
+def _image_snapshot(store: Store, text: str) -> str:
+    """The snapshot an IMAGE argument names (checked before the workspace is made)."""
+    from strata.cli.image import resolve_image
+    return resolve_image(store, text)[2]
+
+
+def _seed_image(store: RemoteStore, name: str, sid: str) -> str:
+    """Write the image out (privileged: it is a root filesystem), then seed from that copy.
+
+    A freshly made ext4 holds lost+found, and an export wants an empty
+    target, so the image goes through a scratch directory.
+    """
+    import shutil
+    import tempfile
+
+    from strata.fsio import export_snapshot
+    tmp = tempfile.mkdtemp(prefix="strata-seed-image-", dir="/var/tmp")
+    try:
+        root = os.path.join(tmp, "root")
+        with progress_bar("exporting the image") as progress:
+            export_snapshot(store, sid, root, privileged=True,
+                            progress=None if progress is None else
+                            lambda done, _total: progress(done, 0))
+        return _seed(store, name, root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _seed(store: RemoteStore, name: str, source: str) -> str:

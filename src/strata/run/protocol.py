@@ -148,15 +148,16 @@ def check(raw: Any) -> dict[str, Any]:
     if op != "step":
         raise InvalidInput(f"op must be 'step' or 'mount', not {op!r}")
     known = {"v", "op", "argv", "specs", "sandbox", "timeout", "memory", "network", "message",
-             "identical", "env", "cwd", "umask", "pids", "disk", "image"}
+             "identical", "env", "cwd", "umask", "pids", "disk", "image", "entrypoint"}
     extra = set(raw) - known
     if extra:
         raise InvalidInput(f"unknown request fields {sorted(extra)}")
     _check_common(raw)
     argv = raw.get("argv")
-    if (not isinstance(argv, list) or not 0 < len(argv) <= MAX_ARGS
+    least = 0 if raw.get("image") is not None else 1  # an image may name its own command
+    if (not isinstance(argv, list) or not least <= len(argv) <= MAX_ARGS
             or not all(isinstance(a, str) and "\0" not in a for a in argv)):
-        raise InvalidInput(f"argv must be 1 to {MAX_ARGS} strings without NUL")
+        raise InvalidInput(f"argv must be {least} to {MAX_ARGS} strings without NUL")
     texts = raw.get("specs")
     if (not isinstance(texts, list) or len(texts) > MAX_SPECS
             or not all(isinstance(t, str) for t in texts)):
@@ -185,8 +186,12 @@ def check(raw: Any) -> dict[str, Any]:
     image = raw.get("image")
     if image is not None:
         if not isinstance(image, str):
-            raise InvalidInput("image must be VOLUME[@BRANCH] or null")
+            raise InvalidInput("image must be VOLUME[@BRANCH], NAME:TAG or null")
         image = parse_image(image)
+    entrypoint = raw.get("entrypoint")
+    if entrypoint is not None and (image is None or not isinstance(entrypoint, str)
+                                   or "\0" in entrypoint):
+        raise InvalidInput("entrypoint must be a string without NUL, with an image, or null")
     for name in ("network", "identical"):
         if not isinstance(raw.get(name), bool):
             raise InvalidInput(f"{name} must be true or false")

@@ -10,6 +10,7 @@ rejected change set on `rejected/<run-id>` for inspection and exits 3.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -38,6 +39,7 @@ from strata.mount.session import (
 from strata.mount.state import MountState, VolumeState, new_state, scratch_root
 from strata.procs import alive
 from strata.run.identity import STEPS_DIR, IdRange, UserNamespace, idmapped_mount, make_stage
+from strata.run.imagecfg import image_process
 from strata.run.sandbox import DEFAULT_PIDS, Jail, build_command, run_command
 from strata.run.spec import IMAGE_NAME, VolumeSpec
 
@@ -159,7 +161,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
              on_done: Callable[[StepResult], None] | None = None,
              root: tuple[str, str] | None = None, pids: int | None = DEFAULT_PIDS,
              disk: int | None = None, image: VolumeSpec | None = None,
-             takeover: bool = False) -> StepResult:
+             takeover: bool = False, entrypoint: str | None = None) -> StepResult:
     """Run `argv` as one transaction over `specs` (see the module docstring).
 
     `mounter` is a mount process forked already (the step service forks it
@@ -176,7 +178,9 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
 
     With `image` (a volume holding a root filesystem) the sandbox's root is
     that volume as of the step's start, mounted lazily like any volume, with
-    a writable layer that is thrown away: only the volumes persist.
+    a writable layer that is thrown away: only the volumes persist. An
+    imported image's config gives the command, environment, directory and
+    user (run/imagecfg.py); `entrypoint` replaces its Entrypoint and Cmd.
     """
     if image is not None and root is not None:
         raise InvalidInput("give a workspace root or an image, not both")
@@ -207,7 +211,15 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
                                lease_wait)
         # One instant for every volume: a multi-volume publish is seen whole or not at
         # all (heads read one by one could fall between its branches).
+        if image is not None and image.branch == "live":
+            image = _image_branch(store, image)
         pinned = _pinned_heads(store, specs + ([image] if image is not None else []), leases)
+        process = None
+        if image is not None:  # the image's own command, environment, directory and user
+            from strata.image.meta import find_meta, runtime_of
+            process = image_process(runtime_of(find_meta(store, pinned[-1])), argv,
+                                    entrypoint=entrypoint)
+            argv = process.argv
         vols = []
         for spec, head in zip(specs, pinned[:len(specs)], strict=True):
             branch = spec.branch
@@ -252,7 +264,7 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
             jail.show_root(ws_root.dir)
         launch = build_command(sandbox, argv, storage, network=network,
                                workdir=state.scratch, run_id=run_id, memory=memory,
-                               jail=jail.jail, pids=pids)
+                               jail=jail.jail, pids=pids, image=process)
         result.timings["start"] = time.monotonic() - t0
         t1 = time.monotonic()
 
@@ -307,6 +319,14 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
             # Step mounts do not measure the content cache: keep it bounded from here.
             with contextlib.suppress(OSError):
                 trim_if_due()
+
+
+def _image_branch(store: Store, image: VolumeSpec) -> VolumeSpec:
+    """A bare `--image NAME`: its ``live`` branch, or ``latest`` when it has only that."""
+    branches = store.list_branches(image.volume)
+    if "live" not in branches and "latest" in branches:
+        return dataclasses.replace(image, branch="latest")
+    return image
 
 
 class StepJail:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from strata.engine.errors import InvalidInput
 from strata.run import rootfs, seccomp
+from strata.run.imagecfg import ImageProcess
 
 log = logging.getLogger(__name__)
 
@@ -237,8 +238,13 @@ def _own_cgroup() -> dict[str, str]:
     return out
 
 
-def sandbox_env(sandbox: str, storage: str, *, root: bool) -> dict[str, str]:
-    """The command's environment: the caller's, less strata's own, with the sandbox's HOME."""
+def sandbox_env(sandbox: str, storage: str, *, root: bool,
+                image: ImageProcess | None = None) -> dict[str, str]:
+    """The command's environment: the caller's, less strata's own, with the sandbox's HOME.
+
+    An image's own Env comes over the few variables a rooted step takes from
+    the caller (its PATH is the one its programs are found on).
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
     if root:  # a workspace or an image: its own system, so only the basics cross over
         env = {k: v for k, v in env.items() if k in ("PATH", "LANG", "TERM")}
@@ -247,6 +253,8 @@ def sandbox_env(sandbox: str, storage: str, *, root: bool) -> dict[str, str]:
         env["STRATA_STORAGE"] = storage
         return env
     env["HOME"] = "/root"
+    if image is not None:
+        env.update({k: v for k, v in image.env.items() if not k.startswith("STRATA_")})
     if storage:
         env["STRATA_STORAGE"] = "/storage"
     return env
@@ -254,14 +262,19 @@ def sandbox_env(sandbox: str, storage: str, *, root: bool) -> dict[str, str]:
 
 def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
                   workdir: str, run_id: str, memory: int | None, jail: Jail | None = None,
-                  pids: int | None = DEFAULT_PIDS) -> Launch:
+                  pids: int | None = DEFAULT_PIDS, image: ImageProcess | None = None
+                  ) -> Launch:
     """How to run `argv` in `sandbox` with the volumes of `storage` at /storage.
 
     `jail` (made by the runner) says what the sandbox is built from; a bwrap
     step needs one, with its user namespace. Without volumes `storage` is "".
+    `image` is what an image's config asks for (its environment, directory
+    and user; `argv` is already its command).
     """
     root = jail.root if jail is not None else None
-    env = sandbox_env(sandbox, storage, root=root is not None)
+    env = sandbox_env(sandbox, storage, root=root is not None, image=image)
+    cwd = image.cwd if image is not None and image.cwd else ("/storage" if storage else "/")
+    uid, gid = (image.uid, image.gid) if image is not None else (0, 0)
     if sandbox == "none":
         if root is not None:
             raise InvalidInput(f"a root filesystem needs a sandbox (bwrap or gvisor), "
@@ -272,11 +285,14 @@ def build_command(sandbox: str, argv: list[str], storage: str, *, network: bool,
         _need("bwrap", "bubblewrap (bwrap)")
         if jail is None or jail.userns is None:
             raise InvalidInput("a bwrap step needs its user namespace")
-        return _bwrap(argv, env, storage, jail, network=network)
+        if (uid, gid) != (0, 0):
+            raise InvalidInput(f"the image runs as {uid}:{gid}; under bwrap a step runs as "
+                               f"root of its namespace only (use --sandbox gvisor)")
+        return _bwrap(argv, env, storage, jail, network=network, cwd=cwd)
     if sandbox == "gvisor":
         _need("runsc", "gVisor (runsc)")
         config = _oci_config(argv, env, storage, network=network, memory=memory, root=root,
-                             pids=pids)
+                             pids=pids, cwd=cwd, user=(uid, gid))
         return Launch(_runsc(config, workdir, run_id, network=network), env, pids_scale=2,
                       pids_slack=512, pipe_files=True)
     raise InvalidInput(f"unknown sandbox {sandbox!r} (use {', '.join(SANDBOXES)})")
@@ -300,7 +316,7 @@ def _need(tool: str, name: str) -> None:
 
 
 def _bwrap(argv: list[str], env: dict[str, str], storage: str, jail: Jail, *,
-           network: bool) -> Launch:
+           network: bool, cwd: str = "/") -> Launch:
     """bwrap, started as root of the step's user namespace (nsenter), never the host's root.
 
     bwrap then makes the mount, pid, ipc, uts and cgroup namespaces (and the
@@ -331,7 +347,7 @@ def _bwrap(argv: list[str], env: dict[str, str], storage: str, jail: Jail, *,
             cmd += ["--perms", f"{mode:04o}", "--tmpfs", path]
     if storage:
         cmd += ["--bind", storage, "/storage"]
-    cmd += ["--chdir", "/storage" if storage else "/", "--seccomp", str(filt)]
+    cmd += ["--chdir", cwd, "--seccomp", str(filt)]
     if jail.root is None:
         cmd += ["--remount-ro", "/"]
     return Launch([*cmd, "--", *argv], env, pass_fds=(filt,), dies_with_parent=True)
@@ -350,7 +366,8 @@ def _runsc(config: dict[str, object], workdir: str, run_id: str, *, network: boo
 
 
 def _oci_config(argv: list[str], env: dict[str, str], storage: str, *, network: bool,
-                memory: int | None, root: str | None = None, pids: int | None = None
+                memory: int | None, root: str | None = None, pids: int | None = None,
+                cwd: str | None = None, user: tuple[int, int] = (0, 0)
                 ) -> dict[str, object]:
     """The OCI bundle's config: the same view as bwrap's, for gVisor's own kernel.
 
@@ -391,8 +408,8 @@ def _oci_config(argv: list[str], env: dict[str, str], storage: str, *, network: 
                        "options": ["rbind", "rw", *secure]})
     caps = list(ROOT_CAPS)
     process: dict[str, object] = {
-        "terminal": False, "user": {"uid": 0, "gid": 0}, "args": argv,
-        "cwd": "/storage" if storage else "/", "noNewPrivileges": True,
+        "terminal": False, "user": {"uid": user[0], "gid": user[1]}, "args": argv,
+        "cwd": cwd or ("/storage" if storage else "/"), "noNewPrivileges": True,
         "env": [f"{k}={v}" for k, v in env.items()],
         "capabilities": {"bounding": caps, "effective": caps, "permitted": caps,
                          "inheritable": caps}}

@@ -373,6 +373,7 @@ def _run(conn: socket.socket, step: dict[str, Any], fds: list[int], store_dir: s
         run_step(store, step["specs"], step["argv"], sandbox=step["sandbox"],
                  timeout=step["timeout"], memory=step["memory"], network=step["network"],
                  pids=step["pids"], disk=step["disk"], image=step["image"],
+                 entrypoint=step.get("entrypoint"),
                  message=step["message"], identical=step["identical"], mounter=mounter,
                  mounter_env=True, on_publish=publishing, on_done=done)
     except Exception as exc:

@@ -55,7 +55,15 @@ IMAGE_NAME = ".image"  # the image's place among a step's mounts (no volume is n
 
 
 def parse_image(text: str) -> VolumeSpec:
-    """`--image VOLUME[@BRANCH]`: a volume holding a root filesystem."""
+    """`--image VOLUME[@BRANCH]` or `NAME:TAG`: a volume holding a root filesystem.
+
+    A bare NAME is the branch ``live``; the runner takes ``latest`` instead
+    when the volume has only that (an image imported without a tag).
+    """
+    if "@" not in text and ":" in text:
+        from strata.image.refs import parse_image_ref
+        ref = parse_image_ref(text)
+        return VolumeSpec(ref.volume, ref.branch, writable=False)
     volume, sep, branch = text.partition("@")
     check_volume(volume)
     if sep:

@@ -333,13 +333,18 @@ async def api_volumes(request: web.Request) -> web.Response:
         now = time.time()
         for name in names:
             branches = []
+            image: dict[str, str] | None = None
             for b, h in sorted(view.heads(name).items()):
                 info = store.snapshot(h)
                 branches.append({"name": b, "head": h, "time": info.time_ns / 1e9,
                                  "age": max(now - info.time_ns / 1e9, 0),
                                  "message": info.message,
                                  "rejected": b.startswith("rejected/")})
-            out.append({"name": name, "branches": branches})
+                meta = info.meta.get("image")  # an imported image: its branches are tags
+                if isinstance(meta, dict) and image is None:
+                    image = {"ref": str(meta.get("ref") or ""),
+                             "source": str(meta.get("source") or "")}
+            out.append({"name": name, "branches": branches, "image": image})
         return {"volumes": out, "owner": view.scope.is_owner}
 
     return _json(await view.run(list_volumes))

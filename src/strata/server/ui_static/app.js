@@ -97,9 +97,12 @@ async function home() {
                                     short(b.head))),
       el("td", { title: when(b.time) }, age(b.time)),
       el("td", {}, b.message)));
-    out.push(el("h2", {}, vol.name),
+    out.push(el("h2", {}, vol.name,
+               vol.image ? el("span", { class: "tag image", title: vol.image.ref },
+                              " image (" + vol.image.source + ")") : null),
       el("table", { class: "branches" },
-        el("thead", {}, el("tr", {}, el("th", {}, "branch"), el("th", {}, "head"),
+        el("thead", {}, el("tr", {}, el("th", {}, vol.image ? "tag" : "branch"),
+                           el("th", {}, "head"),
                            el("th", {}, "age"), el("th", {}, "last message"))),
         el("tbody", {}, ...rows)));
   }

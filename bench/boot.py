@@ -154,7 +154,9 @@ class Host(CliEnv):
                 "served": after["bytes_served"] - before["bytes_served"],
                 "windows": b1.get("ranged_reads", 0) - b0.get("ranged_reads", 0),
                 "fetched_back": b1.get("fetched_back", 0) - b0.get("fetched_back", 0),
-                "events": report.get("boot", [])}
+                "events": report.get("boot", []),
+                "timings": {k: round(v, 4) for k, v in report.get("timings", {}).items()
+                            if k != "began"}}
 
     def _wait_torn_down(self, timeout: float = 30.0) -> None:
         # The runner answers before its teardown; the mount process's prefetch and the
@@ -319,12 +321,19 @@ def _run_all(work: str, url: str, hosts: list[Host], quick: bool) -> list[dict[s
 
 
 def _wait_evicted(h: Host, timeout: float = 90.0) -> None:
-    """Until the restored store holds no pack locally (all are in the bucket)."""
+    """Until the restored store's packs are in the bucket and its index is copied in.
+
+    A store restored a while ago has its whole index locally (the background
+    pass copies it in); what is measured is reading the image from the bucket.
+    """
     deadline = time.monotonic() + timeout
+    hydrated = -1
     while time.monotonic() < deadline:
         tier = h.stats().get("bucket") or {}
         if tier.get("local_bytes", BUDGET + 1) <= BUDGET and tier.get("uploads_queued") == 0 \
-                and tier.get("packs_only_in_bucket", 0) > 0:
+                and tier.get("packs_only_in_bucket", 0) > 0 \
+                and tier.get("index_entries_hydrated") == hydrated:
             return
-        time.sleep(0.5)
+        hydrated = tier.get("index_entries_hydrated", 0)
+        time.sleep(1.0)
     _log(f"packs still local after {timeout:.0f} s: {h.stats().get('bucket')}")

@@ -25,6 +25,7 @@ checked against its id.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import struct
 import threading
@@ -275,11 +276,15 @@ class _CountingSource:
 class Prefetcher:
     """Fetch a trace's ranges of one snapshot into a content cache, in order, in parallel.
 
-    Each of `workers` threads takes the next entries of the trace, resolves
-    their paths in the snapshot (fetching tree nodes through the cache),
-    and fetches the blocks of the ranges not cached yet in batched requests
-    of just under 1 MiB. Blocks in flight are claimed in the cache, so a
-    reader that wants one waits for it instead of fetching it again.
+    `workers` threads share one queue of tasks ordered by trace position:
+    resolving an entry (its path in the snapshot, fetching tree nodes and
+    the file node through the cache) and fetching a batch of an entry's
+    blocks (just under 1 MiB a request, as the read-ahead's). A worker always
+    takes the earliest task, so a large file early in the trace is fetched
+    by every worker at once, and later entries are resolved meanwhile. Blocks
+    in flight are claimed in the cache, so a reader that wants one waits for
+    it instead of fetching it again (and the prefetch skips what a reader
+    claimed).
     """
 
     def __init__(self, store: Store, root: Entry, cache: ContentCache, entries: list[TraceEntry],
@@ -287,9 +292,14 @@ class Prefetcher:
         self.store, self.root, self.cache = store, root, cache
         self.entries = entries
         self.stats = PrefetchStats()
-        self._lock = threading.Lock()
-        self._next = 0
+        self._cond = threading.Condition()
+        # (trace position, order of making, block ids or None to resolve the entry)
+        self._tasks: list[tuple[int, int, list[bytes] | None]] = [
+            (i, 0, None) for i in range(len(entries))]
+        self._made = 0
+        self._busy = 0
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._source = _CountingSource(store, cache, self.stats, self._lock)
         self._trees = Trees(self._source)
         self._threads = [threading.Thread(target=self._work, name=f"strata-boot-prefetch-{i}",
@@ -309,35 +319,49 @@ class Prefetcher:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
 
-    def _take(self) -> TraceEntry | None:
-        with self._lock:
-            if self._next >= len(self.entries) or self._stop.is_set():
-                return None
-            e = self.entries[self._next]
-            self._next += 1
-            return e
+    def _take(self) -> tuple[int, list[bytes] | None] | None:
+        """The earliest task; None when none is left and none can be made."""
+        with self._cond:
+            while True:
+                if self._stop.is_set():
+                    return None
+                if self._tasks:
+                    pos, _n, blocks = heapq.heappop(self._tasks)
+                    self._busy += 1
+                    return pos, blocks
+                if not self._busy:
+                    self._cond.notify_all()
+                    return None
+                self._cond.wait()
+
+    def _put(self, pos: int, batches: list[list[bytes]]) -> None:
+        with self._cond:
+            for b in batches:
+                self._made += 1
+                heapq.heappush(self._tasks, (pos, self._made, b))
+            self._busy -= 1
+            self._cond.notify_all()
 
     def _work(self) -> None:
-        batch: list[bytes] = []
-        size = 0
         try:
-            while (entry := self._take()) is not None:
+            while (task := self._take()) is not None:
+                pos, blocks = task
+                batches: list[list[bytes]] = []
                 try:
-                    got = self._blocks(entry)
+                    if blocks is None:
+                        batches = self._resolve_entry(self.entries[pos])
+                        with self._lock:
+                            self.stats.entries += 1
+                    else:
+                        self._fetch(blocks)
                 except (StrataError, OSError, ValueError) as exc:
                     with self._lock:
-                        self.stats.errors.append(f"{entry.path[:80]!r}: {exc}")
-                    continue
-                for oid, bs in got:
-                    batch.append(oid)
-                    size += bs
-                if size >= REQUEST_BYTES:
-                    self._fetch(batch)
-                    batch, size = [], 0
-                with self._lock:
-                    self.stats.entries += 1
-            self._fetch(batch)
+                        self.stats.errors.append(f"{self.entries[pos].path[:80]!r}: {exc}")
+                finally:
+                    self._put(pos, batches)
         except Exception as exc:  # a prefetch never fails a boot: the reads fetch for themselves
             log.warning("boot prefetch stopped: %s", exc)
             with self._lock:
@@ -359,8 +383,8 @@ class Prefetcher:
             e = self._trees.lookup(e.ref, name)
         return e
 
-    def _blocks(self, entry: TraceEntry) -> list[tuple[bytes, int]]:
-        """The blocks of `entry` not cached, each as (id, block size); tree nodes on the way."""
+    def _resolve_entry(self, entry: TraceEntry) -> list[list[bytes]]:
+        """Batches of the entry's blocks not cached yet; tree nodes fetched on the way."""
         e = self._resolve(entry.path)
         if e is None:
             with self._lock:
@@ -378,8 +402,9 @@ class Prefetcher:
             raise InvalidInput(f"object {e.ref.hex()} is no file node")
         fnode = FileNode.decode(raw)
         end = min(e.size, entry.offset + entry.length)
-        return [(oid, fnode.block_size) for oid in fnode.block_ids(entry.offset, end)
-                if not self.cache.has(oid)]
+        want = [oid for oid in fnode.block_ids(entry.offset, end) if not self.cache.has(oid)]
+        per = max(1, REQUEST_BYTES // max(1, fnode.block_size))
+        return [want[i:i + per] for i in range(0, len(want), per)]
 
     def _fetch(self, oids: list[bytes]) -> None:
         todo = self.cache.claim(list(dict.fromkeys(oids)))

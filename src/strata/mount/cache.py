@@ -153,16 +153,29 @@ class ContentCache:
                  kinds: tuple[int, ...] = ()) -> None:
         """Make sure the objects are cached, fetching the missing ones in one batch."""
         todo = [o for o in dict.fromkeys(oids) if not self.has(o)]
-        if todo and self._inflight:
-            waited = [self.wait_inflight(o) for o in todo]
-            if any(waited):
-                todo = [o for o in todo if not self.has(o)]
         if not todo:
             return
-        for oid, data in zip(todo, fetch_many(todo), strict=True):
-            if not _matches(oid, data, kinds):
-                raise Corrupt("remote", 0, f"object {oid.hex()} does not match its id")
-            self.keep(oid, data)
+        # Claimed while fetched, so a boot prefetch leaves them to us; those it is
+        # fetching already we wait for instead.
+        mine = self.claim(todo)
+        try:
+            if mine:
+                for oid, data in zip(mine, fetch_many(mine), strict=True):
+                    if not _matches(oid, data, kinds):
+                        raise Corrupt("remote", 0, f"object {oid.hex()} does not match its id")
+                    self.keep(oid, data)
+        finally:
+            self.release(mine)
+        claimed = set(mine)
+        theirs = [o for o in todo if o not in claimed]
+        for oid in theirs:
+            self.wait_inflight(oid)
+        left = [o for o in theirs if not self.has(o)]
+        if left:  # their fetch failed: ours, unclaimed
+            for oid, data in zip(left, fetch_many(left), strict=True):
+                if not _matches(oid, data, kinds):
+                    raise Corrupt("remote", 0, f"object {oid.hex()} does not match its id")
+                self.keep(oid, data)
 
     def claim(self, oids: list[bytes]) -> list[bytes]:
         """Of `oids`, those neither cached nor claimed already, now claimed by the caller.

@@ -61,6 +61,7 @@ MAX_FILE = 1 << 50           # an offset or a length
 RECORD_SECONDS = 30.0        # a boot is what the first half minute reads
 MERGE_GAP = 64 * 1024        # a read this close after the last range of its file extends it
 PREFETCH_WORKERS = 4
+PREFETCH_BUDGET = 1 << 30    # bytes one prefetch fetches at most, whatever its trace says
 REQUEST_BYTES = 1024 * 1024 - 64 * 1024  # one fetch request's answer, as the read-ahead's
 
 
@@ -298,6 +299,7 @@ class Prefetcher:
             (i, 0, None) for i in range(len(entries))]
         self._made = 0
         self._busy = 0
+        self._planned = 0  # bytes of blocks put in fetch tasks (PREFETCH_BUDGET)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._source = _CountingSource(store, cache, self.stats, self._lock)
@@ -403,6 +405,10 @@ class Prefetcher:
         fnode = FileNode.decode(raw)
         end = min(e.size, entry.offset + entry.length)
         want = [oid for oid in fnode.block_ids(entry.offset, end) if not self.cache.has(oid)]
+        with self._lock:
+            room = max(0, PREFETCH_BUDGET - self._planned) // max(1, fnode.block_size)
+            want = want[:room]  # a trace naming the whole image fetches no more than this
+            self._planned += len(want) * fnode.block_size
         per = max(1, REQUEST_BYTES // max(1, fnode.block_size))
         return [want[i:i + per] for i in range(0, len(want), per)]
 

@@ -148,8 +148,9 @@ class SnapshotFS:
             self._next += 1
             self._nodes[ino] = Node(ino, entry, parent)
             self._vol_of[ino] = vol
-            if vol == self._traced and name:
-                self._names[ino] = name
+            if vol == self._traced and name and self.recorder is not None \
+                    and self.recorder.active:
+                self._names[ino] = name  # while recording: paths are only for the trace
             if entry.kind == K_FILE and entry.ino:
                 self._groups[(vol, entry.ino)] = ino
             return ino

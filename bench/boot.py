@@ -12,8 +12,10 @@ headers, which a boot never reads). It is imported into a plain volume.
   that prefetch from it. The kernel's caches are dropped before every boot,
   on both sides. "Bytes fetched" is what the store's server sent the mount
   (its `bytes_served` counter) against the image's size.
-- Second host: a store restored from the bucket (moto on loopback) with a
-  1 MiB local budget, so every pack is only in the bucket, booted cold with
+- Second host: a store restored from the bucket (moto on loopback, behind
+  a proxy that adds 20 ms to every request: S3 Express answers in 5-10 ms,
+  S3 Standard in 50-100 ms; loopback moto in about one) with a 16 MiB local
+  budget, so every pack is only in the bucket, booted cold with
   the trace and, on another restore with the trace branch deleted, without.
   Bytes are what came from the bucket: 1 MiB ranged windows, plus packs the
   tier fetched back whole because they were read again and again. The
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cli_env import STRATA, CliEnv
+from bench.latency import SlowProxy
 from bench.report import row
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -48,6 +51,7 @@ from bucketutil import BUCKET, Moto  # noqa: E402
 
 MB = 1_000_000
 MIB = 1 << 20
+BUCKET_LATENCY = 0.02  # seconds added to every bucket request (bench/latency.py)
 BUDGET = 16 * MIB  # the second host's local disk budget: the least a store may have
 PYTHON = os.path.realpath("/usr/bin/python3")
 CMD = ["/usr/bin/python3", "-c", "print(1)"]
@@ -225,13 +229,15 @@ def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
         return []
     work = tempfile.mkdtemp(prefix="strata-bootbench-", dir=root)
     moto = Moto(Path(work)).start()
-    os.environ.update(moto.env())
+    proxy = SlowProxy("127.0.0.1", moto.port, BUCKET_LATENCY).start()
+    os.environ.update(moto.env(proxy.endpoint))
     hosts: list[Host] = []
     try:
         return _run_all(work, f"s3://{BUCKET}/boot", hosts, quick)
     finally:
         for h in hosts:
             h.close()
+        proxy.stop()
         moto.stop()
         subprocess.run(["umount", "-R", "-l", work], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)

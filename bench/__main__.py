@@ -8,6 +8,7 @@ import os
 import sys
 
 from bench import (
+    boot,
     bucket,
     day,
     dedup,
@@ -38,11 +39,11 @@ def main() -> None:
     ap.add_argument("--churn-rounds", type=int, default=None,
                     help="rounds of the GC churn on a mount (default 20, 5 with --quick)")
     ap.add_argument("--only",
-                    default="engine,server,bucket,gc,mount,steps,sandbox,ui,speed,workspace,"
-                            "dedup,image,day",
+                    default="engine,server,bucket,gc,mount,steps,sandbox,boot,ui,speed,"
+                            "workspace,dedup,image,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
-                         "steps, sandbox, ui, speed, workspace, dedup, image, day, scale; scale "
-                         "is left out of the default)")
+                         "steps, sandbox, boot, ui, speed, workspace, dedup, image, day, scale; "
+                         "scale is left out of the default)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -72,6 +73,11 @@ def main() -> None:
         print_table("strata sandbox cost per step (the previous sandbox design in the same run)",
                     sandbox_rows)
     step_rows += sandbox_rows
+    boot_rows = boot.run(args.dir, quick=args.quick) if "boot" in groups else []
+    if boot_rows:
+        print_table("strata image boot: a cold `strata run --image` to python3's first output "
+                    "(baselines from the same run)", boot_rows)
+    step_rows += boot_rows
     speed_rows = speed.run(args.dir, quick=args.quick) if "speed" in groups else []
     if speed_rows:
         print_table("strata speed: the same work without strata in the same run",

@@ -160,3 +160,41 @@ def test_bytes_from_the_bucket_are_checked_against_their_ids(tmp_path: Path) -> 
     with LocalStore(str(tmp_path / "b")) as s, pytest.raises(Corrupt) as err:
         Transaction(s, "v").read("f001")
     assert obj.name in str(err.value)
+
+
+def test_readers_of_one_evicted_window_share_one_get(tmp_path: Path) -> None:
+    """A boot prefetch beside the step's own reads: one ranged GET per window, not one each."""
+    import threading
+
+    from strata.engine import tierreads
+    url = f"file://{tmp_path}/bucket"
+    store = tmp_path / "a"
+    init_store(str(store), bucket=url, pack_size_limit=MiB)
+    fetch_back, tierreads.FETCH_BACK_AFTER = tierreads.FETCH_BACK_AFTER, 1 << 30
+    try:
+        with LocalStore(str(store)) as s:
+            want = _fill(s, 3, 600_000)
+            tier = s._tier
+            assert tier is not None
+            tier.flush()
+            assert tier.evict(0)
+            slow = tier.bucket.get_range
+
+            def get_range(name: str, start: int, end: int) -> bytes:
+                time.sleep(0.05)  # long enough for every reader to ask meanwhile
+                return slow(name, start, end)
+
+            tier.bucket.get_range = get_range  # type: ignore[method-assign]
+            before = _tier_stats(s)["ranged_reads"]
+            got: list[bytes] = []
+            readers = [threading.Thread(target=lambda: got.append(
+                Transaction(s, "v").read("f001"))) for _ in range(6)]
+            for r in readers:
+                r.start()
+            for r in readers:
+                r.join()
+            assert got == [want["f001"]] * 6
+            windows = _tier_stats(s)["ranged_reads"] - before  # type: ignore[operator]
+            assert 1 <= windows <= 2, windows  # 600 kB spans one or two 1 MiB windows
+    finally:
+        tierreads.FETCH_BACK_AFTER = fetch_back

@@ -166,7 +166,8 @@ def _report(args: argparse.Namespace, result: dict[str, Any]) -> int:
         print_json({"status": result["status"], "published": result["published"],
                     "conflicts": result["conflicts"], "run": result["run"],
                     "rejected": result["rejected"], "timed_out": result["timed_out"],
-                    "oom": result["oom"], "timings": result["timings"]})
+                    "oom": result["oom"], "timings": result["timings"],
+                    **({"boot": result["boot"]} if result.get("boot") else {})})
     elif result["conflicts"]:
         print(f"strata: error: conflict: {len(result['conflicts'])} path(s) changed since the "
               f"step began; nothing was published (kept on rejected/{result['run']})",

@@ -10,6 +10,7 @@ This module never writes the bucket.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 from strata.engine import pack as packfmt
@@ -19,6 +20,7 @@ from strata.engine.tierstate import TierState
 WINDOW = 1 << 20           # ranged reads of bucket-only packs, in aligned windows
 WINDOW_CACHE = 64          # windows kept in memory
 FETCH_BACK_AFTER = 2       # window misses of one bucket-only pack before it is fetched whole
+WINDOW_WAIT = 30.0         # seconds a reader waits for another's GET of the same window
 
 
 class WindowedReads(TierState):
@@ -65,6 +67,27 @@ class WindowedReads(TierState):
             if data is not None:
                 self._windows.move_to_end(key)
                 return data
+            loading = self._window_loads.get(key)
+            if loading is None:
+                self._window_loads[key] = mine = threading.Event()
+        if loading is not None:
+            # Another reader is fetching this window (parallel readers of one file, a
+            # boot prefetch beside the step's reads): one GET serves both.
+            loading.wait(WINDOW_WAIT)
+            with self._lock:
+                data = self._windows.get(key)
+            if data is not None:
+                return data
+            return self._fetch_window(number, name, size, w)  # theirs failed: ours
+        try:
+            return self._fetch_window(number, name, size, w)
+        finally:
+            with self._lock:
+                self._window_loads.pop(key, None)
+            mine.set()
+
+    def _fetch_window(self, number: int, name: str, size: int, w: int) -> bytes:
+        key = (number, w)
         data = self.bucket.get_range(name, w * WINDOW, min((w + 1) * WINDOW, size))
         self.stats["ranged_reads"] += 1
         if len(data) != min(WINDOW, size - w * WINDOW):

@@ -56,6 +56,8 @@ class TierState(PackStore):
         self._uploads: collections.deque[int] = collections.deque()
         self._windows: collections.OrderedDict[tuple[int, int], bytes] = \
             collections.OrderedDict()
+        # Windows being fetched now: a second reader of one waits for the first's GET.
+        self._window_loads: dict[tuple[int, int], threading.Event] = {}
         # The object index of the checkpoint this store started from, until the local
         # index holds all of it (`hydrated` names the run it holds whole): misses read
         # it a block at a time meanwhile, and the background loop copies it in.

@@ -82,6 +82,9 @@ class ContentCache:
         self.hits = 0
         self.misses = 0
         self.fetched_bytes = 0
+        # Objects a prefetch (mount/boottrace.py) is fetching now: a reader that wants
+        # one waits for it rather than fetching the same bytes beside it.
+        self._inflight: dict[bytes, threading.Event] = {}
 
     def _init_size(self) -> None:
         total = self._measure()
@@ -109,6 +112,10 @@ class ContentCache:
         data = self.load(oid, kinds)
         if data is not None:
             return data
+        if self._inflight and self.wait_inflight(oid):
+            data = self.load(oid, kinds)
+            if data is not None:
+                return data
         data = fetch(oid)
         if not _matches(oid, data, kinds):
             raise Corrupt("remote", 0, f"object {oid.hex()} does not match its id")
@@ -148,10 +155,55 @@ class ContentCache:
         todo = [o for o in dict.fromkeys(oids) if not self.has(o)]
         if not todo:
             return
-        for oid, data in zip(todo, fetch_many(todo), strict=True):
-            if not _matches(oid, data, kinds):
-                raise Corrupt("remote", 0, f"object {oid.hex()} does not match its id")
-            self.keep(oid, data)
+        # Claimed while fetched, so a boot prefetch leaves them to us; those it is
+        # fetching already we wait for instead.
+        mine = self.claim(todo)
+        try:
+            if mine:
+                for oid, data in zip(mine, fetch_many(mine), strict=True):
+                    if not _matches(oid, data, kinds):
+                        raise Corrupt("remote", 0, f"object {oid.hex()} does not match its id")
+                    self.keep(oid, data)
+        finally:
+            self.release(mine)
+        claimed = set(mine)
+        theirs = [o for o in todo if o not in claimed]
+        for oid in theirs:
+            self.wait_inflight(oid)
+        left = [o for o in theirs if not self.has(o)]
+        if left:  # their fetch failed: ours, unclaimed
+            for oid, data in zip(left, fetch_many(left), strict=True):
+                if not _matches(oid, data, kinds):
+                    raise Corrupt("remote", 0, f"object {oid.hex()} does not match its id")
+                self.keep(oid, data)
+
+    def claim(self, oids: list[bytes]) -> list[bytes]:
+        """Of `oids`, those neither cached nor claimed already, now claimed by the caller.
+
+        The caller fetches them, `keep`s them and then `release`s them, whatever happened.
+        """
+        out = []
+        with self._lock:
+            for oid in oids:
+                if oid not in self._inflight and not self.has(oid):
+                    self._inflight[oid] = threading.Event()
+                    out.append(oid)
+        return out
+
+    def release(self, oids: list[bytes]) -> None:
+        with self._lock:
+            events = [self._inflight.pop(oid, None) for oid in oids]
+        for ev in events:
+            if ev is not None:
+                ev.set()
+
+    def wait_inflight(self, oid: bytes, timeout: float = 30.0) -> bool:
+        """Wait while a prefetch fetches `oid`; True if one was."""
+        ev = self._inflight.get(oid)
+        if ev is None:
+            return False
+        ev.wait(timeout)
+        return True
 
     def _put(self, path: str, data: bytes) -> None:
         parent = os.path.dirname(path)

@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from strata.engine.errors import StrataError
 from strata.mount.overlay import MountError, unmount
@@ -27,6 +28,10 @@ from strata.mount.session import mount_overlays, teardown
 from strata.mount.state import MountState
 from strata.procs import alive
 from strata.server.client import RemoteStore
+
+if TYPE_CHECKING:
+    from strata.mount.boottrace import ImageBoot
+    from strata.mount.vfs import SnapshotFS
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +139,7 @@ class Prepared:
 
 
 def _load_fuse_stack() -> None:
-    from strata.mount import fuse, vfs  # noqa: F401
+    from strata.mount import boottrace, fuse, vfs  # noqa: F401
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -211,6 +216,7 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
         if background:
             os._exit(1)
         return str(exc)
+    boot = _image_boot(state, store, fs)
     if own_pins:
         threading.Thread(target=pins.renew, daemon=True).start()
     if state.keepalive:
@@ -252,12 +258,38 @@ def _serve(state: MountState, wfd: int, *, background: bool, watch_pid: int | No
                  privileged=state.privileged and not state.is_step)
     except KeyboardInterrupt:
         pass
+    if boot is not None:
+        try:
+            boot.finish()  # the first boot's trace is published now, if not before
+        except Exception:
+            log.warning("finishing the boot trace failed", exc_info=True)
     if _discarding.is_set():
         _discarded.wait(30)
     pins.release()
     if background:
         os._exit(0)
     return None
+
+
+def _image_boot(state: MountState, store: RemoteStore, fs: SnapshotFS) -> ImageBoot | None:
+    """A step's image (its throwaway volume): record its boot trace, or prefetch from it."""
+    from strata.mount.boottrace import ImageBoot
+    index = next((i for i, v in enumerate(state.volumes) if v.throwaway), None)
+    if index is None:
+        return None
+    v = state.volumes[index]
+    trace_file = os.path.join(state.scratch, "boot-trace.json")
+
+    def note(what: str, detail: dict[str, object]) -> None:
+        # For whoever watches the step (tests, benchmarks): what the trace did, one line each.
+        with open(trace_file, "a") as f:
+            f.write(json.dumps({"event": what, **detail}) + "\n")
+
+    boot = ImageBoot(store, v.volume, v.pinned, fs.root_of(index), fs.cache, on_event=note)
+    assert boot.recorder is not None
+    fs.trace(index, boot.recorder)
+    boot.begin()
+    return boot
 
 
 PIN_TTL = 60.0

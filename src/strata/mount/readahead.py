@@ -210,6 +210,8 @@ class ReadAhead:
         try:
             for oid in batch:
                 data = self.cache.load(oid, (BLOCK,))
+                if data is None and self.cache.wait_inflight(oid):  # a boot prefetch has it
+                    data = self.cache.load(oid, (BLOCK,))
                 if data is None:
                     todo.append(oid)
                 else:

@@ -28,6 +28,7 @@ from strata.engine.objects import (
     dir_entry,
 )
 from strata.engine.tree import NodeCache, Trees
+from strata.mount.boottrace import Recorder
 from strata.mount.cache import ContentCache
 from strata.mount.readahead import UNIT, ReadAhead
 
@@ -94,6 +95,11 @@ class SnapshotFS:
         self.volumes = volumes
         self._trees = [Trees(_CachedSource(v.store, cache), NodeCache()) for v in volumes]
         self._sources = [_CachedSource(v.store, cache) for v in volumes]
+        # Boot tracing (mount/boottrace.py): one volume's reads recorded by path.
+        self.recorder: Recorder | None = None
+        self._traced = -2
+        self._trace_root = ROOT_INO
+        self._names: dict[int, bytes] = {}
         if single:
             root = volumes[0].store.snapshot(volumes[0].snapshot).root
             self._nodes[ROOT_INO] = Node(ROOT_INO, root, ROOT_INO)
@@ -104,13 +110,38 @@ class SnapshotFS:
             self._vol_of[ROOT_INO] = -1
             for i, v in enumerate(volumes):
                 root = v.store.snapshot(v.snapshot).root
-                ino = self._alloc(root, ROOT_INO, i)
                 name = v.name.encode()
+                ino = self._alloc(root, ROOT_INO, i)
                 assert self._nodes[ROOT_INO].children is not None
                 self._nodes[ROOT_INO].children[name] = ino  # type: ignore[index]
             self._nodes[ROOT_INO].names = sorted(v.name.encode() for v in volumes)
 
-    def _alloc(self, entry: Entry, parent: int, vol: int) -> int:
+    def trace(self, vol: int, recorder: Recorder) -> None:
+        """Record volume `vol`'s first touches into `recorder`, by path in the volume."""
+        root = self._nodes[ROOT_INO]
+        if root.children is not None and self._vol_of[ROOT_INO] == -1:
+            self._trace_root = root.children[self.volumes[vol].name.encode()]
+        self._traced = vol
+        self.recorder = recorder
+
+    def _path(self, ino: int) -> bytes | None:
+        """The traced volume's path of `ino` (the name it was first found by)."""
+        parts = []
+        while ino != self._trace_root:
+            name = self._names.get(ino)
+            if name is None:
+                return None
+            parts.append(name)
+            ino = self._nodes[ino].parent
+        return b"/".join(reversed(parts))
+
+    def _recording(self, ino: int) -> Recorder | None:
+        rec = self.recorder
+        if rec is None or not rec.active or self._vol_of.get(ino) != self._traced:
+            return None
+        return rec
+
+    def _alloc(self, entry: Entry, parent: int, vol: int, name: bytes = b"") -> int:
         with self._lock:
             if entry.kind == K_FILE and entry.ino:
                 ino = self._groups.get((vol, entry.ino))
@@ -120,9 +151,20 @@ class SnapshotFS:
             self._next += 1
             self._nodes[ino] = Node(ino, entry, parent)
             self._vol_of[ino] = vol
+            if vol == self._traced and name and self.recorder is not None \
+                    and self.recorder.active:
+                self._names[ino] = name  # while recording: paths are only for the trace
             if entry.kind == K_FILE and entry.ino:
                 self._groups[(vol, entry.ino)] = ino
             return ino
+
+    def root_of(self, vol: int) -> Entry:
+        """The root directory entry of volume `vol`."""
+        root = self._nodes[ROOT_INO]
+        if self._vol_of[ROOT_INO] == -1:
+            assert root.children is not None
+            return self._nodes[root.children[self.volumes[vol].name.encode()]].entry
+        return root.entry
 
     def node(self, ino: int) -> Node:
         n = self._nodes.get(ino)
@@ -154,7 +196,7 @@ class SnapshotFS:
             e = self._trees[vol].lookup(p.entry.ref, name)
             if e is None:
                 raise FsError(errno.ENOENT)
-            ino = self._alloc(e, parent, vol)
+            ino = self._alloc(e, parent, vol, name)
             p.children[name] = ino
             return self._nodes[ino]
 
@@ -173,8 +215,11 @@ class SnapshotFS:
                     for name, e in self._trees[vol].iter_dir(p.entry.ref):
                         names.append(name)
                         if name not in p.children:
-                            p.children[name] = self._alloc(e, ino, vol)
+                            p.children[name] = self._alloc(e, ino, vol, name)
                 p.names = names
+                rec = self._recording(ino)
+                if rec is not None and (path := self._path(ino)) is not None:
+                    rec.listed(path)
             return [(n, self._nodes[p.children[n]]) for n in p.names]
 
     def readlink(self, ino: int) -> bytes:
@@ -227,6 +272,10 @@ class SnapshotFS:
     def prefetch(self, ino: int) -> None:
         """Fetch a small file's chunks at open; large files are fetched as read."""
         n = self.node(ino)
+        rec = self._recording(ino)
+        if rec is not None and n.entry.kind == K_FILE and n.entry.size <= self.large_file \
+                and (path := self._path(ino)) is not None:
+            rec.read(path, 0, n.entry.size)  # all of it is fetched at open
         if n.entry.kind != K_FILE or n.entry.ref is None or n.entry.size > self.large_file:
             return
         fnode = self.file_node(ino)
@@ -250,6 +299,9 @@ class SnapshotFS:
         end = min(n.entry.size, offset + size)
         if offset >= end:
             return None
+        rec = self._recording(ino)
+        if rec is not None and (path := self._path(ino)) is not None:
+            rec.read(path, offset, end)
         get = self._node_getter(ino, wait=False)
         try:
             self.readahead.plan(ino, fnode.size, lambda lo, hi: fnode.block_ids(lo, hi, get),
@@ -284,6 +336,9 @@ class SnapshotFS:
         src = self._sources[self._vol_of[ino]]
         get = self._node_getter(ino)
         if e.size > self.large_file:
+            rec = self._recording(ino)
+            if rec is not None and (path := self._path(ino)) is not None:
+                rec.read(path, offset, end)
             store = src.store
             node = fnode
             self.readahead.plan(ino, fnode.size, lambda lo, hi: node.block_ids(lo, hi, get),

@@ -63,11 +63,17 @@ class StepResult:
     timed_out: bool = False
     oom: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    # With an image: what its boot trace did by the time the command ended
+    # (mount/boottrace.py's events: "prefetch", "prefetched", "recorded").
+    boot: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"run": self.run_id, "status": self.status, "published": self.published,
-                "conflicts": self.conflicts, "rejected": self.rejected,
-                "timed_out": self.timed_out, "oom": self.oom, "timings": self.timings}
+        doc = {"run": self.run_id, "status": self.status, "published": self.published,
+               "conflicts": self.conflicts, "rejected": self.rejected,
+               "timed_out": self.timed_out, "oom": self.oom, "timings": self.timings}
+        if self.boot:
+            doc["boot"] = self.boot
+        return doc
 
 
 class _Leases:
@@ -286,6 +292,8 @@ def run_step(store: Store, specs: list[VolumeSpec], argv: list[str], *, sandbox:
                                                        outcome.oom)
         if result.timed_out:
             result.status = 124  # as coreutils timeout(1) reports it
+        if image is not None:
+            result.boot = _boot_events(state)
         jail.hide_root()  # before the workspace's own unmount, which it would hold up
         root_head = ws_root.detach() if ws_root is not None else None
         if result.status == 0:
@@ -565,6 +573,16 @@ def run_in_workspace(store: Store, volume: str, branch: str, argv: list[str], *,
     if result.timed_out:
         result.status = 124
     return result
+
+
+def _boot_events(state: MountState) -> list[dict[str, Any]]:
+    """What the image's boot trace did so far, as the mount process noted it (best effort)."""
+    import json
+    out: list[dict[str, Any]] = []
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(state.scratch, "boot-trace.json")) as f:
+            out = [json.loads(line) for line in f.read().splitlines()[:16] if line]
+    return out
 
 
 def _announce_failure(store: Store, state: MountState, result: StepResult,

@@ -19,7 +19,7 @@ from strata import __version__
 # Which module registers each top-level command (tests/test_cli_imports.py checks
 # that this table and the modules agree).
 MODULES = ("admin", "volumes", "branches", "lifecycle", "read", "write", "serve", "mount",
-           "run", "watch", "workspace")
+           "run", "watch", "workspace", "fleet")
 COMMANDS = {
     "init": "admin", "restore": "admin", "stats": "admin", "fsck": "admin",
     "volume": "volumes", "branch": "branches", "fork": "branches",
@@ -30,6 +30,7 @@ COMMANDS = {
     "mount": "mount", "commit": "mount", "status": "mount", "unmount": "mount",
     "reload": "mount",
     "run": "run", "watch": "watch", "ui": "watch", "workspace": "workspace",
+    "fleet": "fleet",
 }
 
 EPILOG = """\

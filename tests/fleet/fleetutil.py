@@ -243,7 +243,10 @@ def check(fleet: Fleet, history: History, stores: list[str], *, strict: bool = T
     """The checker: a list of violations (empty: the history is correct)."""
     bad: list[str] = []
     for store in stores:
-        remote = FleetStore(fleet.addrs(), store, retry_for=60.0)
+        # Read from the owner the bucket names: a broken build's stale owner may serve
+        # a history of its own.
+        owner = fleet.owner(store, 60)
+        remote = FleetStore([fleet.members[owner].addr], store, retry_for=60.0)
         try:
             head = remote.head(volume, "live")
             chain = remote.log(head)

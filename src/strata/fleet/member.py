@@ -442,7 +442,8 @@ class Member:
         body = await request.read()
         owned = self.owned.get(store)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
-        if owned is not None and owned.serving and owned.session is not None:
+        if owned is not None and owned.serving and owned.session is not None \
+                and owned.keeper.lost is None and time.monotonic() < owned.keeper.deadline:
             try:
                 async with owned.session.request(request.method, "http://owner" + request.path_qs,
                                                  data=body, headers=headers) as resp:
@@ -452,8 +453,9 @@ class Member:
                 return self._retry(f"store {store} is changing owner")
             out.headers["X-Strata-Epoch"] = str(owned.epoch)
             out.headers["X-Strata-Owner"] = self.name
-            if out.status == 503 and (owned.keeper.lost or not owned.serving):
-                out.headers["Retry-After"] = RETRY_AFTER
+            if out.status == 503 and "Retry-After" not in out.headers \
+                    and (time.monotonic() >= owned.keeper.deadline or not owned.serving):
+                out.headers["Retry-After"] = RETRY_AFTER  # the lease gate: try the next owner
             return out
         if "X-Strata-Forwarded" in request.headers:
             # Sent here by a member whose cache is stale: never forward twice.

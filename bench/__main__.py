@@ -11,6 +11,7 @@ from bench import (
     bucket,
     day,
     engine,
+    fleet,
     gc,
     mount,
     sandbox,
@@ -38,8 +39,8 @@ def main() -> None:
     ap.add_argument("--only",
                     default="engine,server,bucket,gc,mount,steps,sandbox,ui,speed,workspace,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
-                         "steps, sandbox, ui, speed, workspace, day, scale; scale is left out of "
-                         "the default)")
+                         "steps, sandbox, ui, speed, workspace, day, scale, fleet; scale and "
+                         "fleet are left out of the default)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -53,6 +54,8 @@ def main() -> None:
         rows += gc.run(args.dir, quick=args.quick, churn_rounds=args.churn_rounds)
     if "ui" in groups:
         rows += ui.run(args.dir, quick=args.quick)
+    if "fleet" in groups:
+        rows += fleet.run(args.dir, quick=args.quick)
     if rows:
         print_table("strata engine, server and bucket benchmarks (baselines from the same run)",
                     rows)

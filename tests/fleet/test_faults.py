@@ -75,7 +75,7 @@ def start_fleet(h: FleetHosts, moto: Moto, tmp_path: Path, *, broken: str = "") 
 def one_round(fleet: Fleet, h: FleetHosts, rng: random.Random, log: list[str]) -> None:
     store = rng.choice(STRICT + DEFAULT)
     owner = fleet.owner(store, 60)
-    fault = rng.choice(["kill", "stop", "cut"])
+    fault = rng.choice(os.environ.get("FLEET_FAULTS", "kill,stop,cut").split(","))
     t0 = time.monotonic()
     if fault == "kill":
         fleet.kill(owner)

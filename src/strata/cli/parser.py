@@ -84,6 +84,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     common.add_argument("--server", metavar="URL", default=argparse.SUPPRESS,
                         help="use the server at unix:PATH or http://HOST:PORT "
                              "(default: $STRATA_SERVER, else the store's own server)")
+    common.add_argument("--fleet", metavar="MEMBERS", default=argparse.SUPPRESS,
+                        help="use a fleet: http://HOST:PORT of members, comma-separated; "
+                             "any live one answers (default: $STRATA_FLEET)")
+    common.add_argument("--fleet-store", metavar="STORE", default=argparse.SUPPRESS,
+                        help="the fleet's store to use (default: $STRATA_FLEET_STORE)")
     common.add_argument("--token", metavar="TOKEN", default=argparse.SUPPRESS,
                         help="bearer token for a TCP server (default: $STRATA_TOKEN)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,

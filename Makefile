@@ -18,7 +18,7 @@ APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync iprou
                 umoci skopeo busybox-static
 APT_OPTIONAL := runsc s3fs s3backer rclone mmdebstrap
 
-.PHONY: deps apt-deps lint test demo bench bench-scale day fuzz clean
+.PHONY: deps apt-deps lint test demo bench bench-scale bench-fleet day fuzz clean
 
 deps: apt-deps $(STAMP)
 
@@ -51,6 +51,11 @@ bench: deps
 bench-scale: deps
 	$(BIN)/python -m bench --only scale $(SCALE) --out bench/results/scale.json
 
+# Three fleet members on loopback: failover after SIGKILL (20 kills), planned moves
+# (20), routing overhead (about 4 minutes).
+bench-fleet: deps
+	$(BIN)/python -m bench --only fleet --out bench/results/fleet.json
+
 # One agent's day on every rung: local disk, upload at stop, s3fs, s3backer,
 # rclone mount, NFS when the kernel has nfsd, and the strata workspace. Sizes: DAY_* env vars.
 day: deps
@@ -66,6 +71,7 @@ fuzz: deps
 	STRATA_STATEFUL_EXAMPLES=1000 $(BIN)/pytest -q tests/test_stateful.py
 	STRATA_FUZZ_EXAMPLES=1000 STRATA_FUZZ_STATEFUL=1000 $(BIN)/pytest -q tests/server/test_fuzz_api.py
 	STRATA_FUZZ_TRAFFIC=60 $(BIN)/pytest -q -s tests/server/test_fuzz_traffic.py
+	FLEET_ROUNDS=100 $(BIN)/pytest -q -s tests/fleet/test_faults.py -k rounds -p no:timeout
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

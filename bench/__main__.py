@@ -13,6 +13,7 @@ from bench import (
     day,
     dedup,
     engine,
+    fleet,
     gc,
     image,
     mount,
@@ -42,8 +43,8 @@ def main() -> None:
                     default="engine,server,bucket,gc,mount,steps,sandbox,boot,ui,speed,"
                             "workspace,dedup,image,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
-                         "steps, sandbox, boot, ui, speed, workspace, dedup, image, day, scale; "
-                         "scale is left out of the default)")
+                         "steps, sandbox, boot, ui, speed, workspace, dedup, image, day, scale, "
+                         "fleet; scale and fleet are left out of the default)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -57,6 +58,8 @@ def main() -> None:
         rows += gc.run(args.dir, quick=args.quick, churn_rounds=args.churn_rounds)
     if "ui" in groups:
         rows += ui.run(args.dir, quick=args.quick)
+    if "fleet" in groups:
+        rows += fleet.run(args.dir, quick=args.quick)
     if rows:
         print_table("strata engine, server and bucket benchmarks (baselines from the same run)",
                     rows)

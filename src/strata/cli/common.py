@@ -88,6 +88,20 @@ def open_remote(args: argparse.Namespace) -> Iterator[RemoteStore]:
     from strata.server.client import RemoteStore
     url = server_url(args)
     token = getattr(args, "token", None) or os.environ.get("STRATA_TOKEN") or None
+    members = getattr(args, "fleet", None) or os.environ.get("STRATA_FLEET")
+    if url is None and members:
+        from strata.engine.errors import InvalidInput
+        from strata.fleet.client import FleetStore
+        name = getattr(args, "fleet_store", None) or os.environ.get("STRATA_FLEET_STORE")
+        if not name:
+            raise InvalidInput("--fleet needs --fleet-store STORE (or $STRATA_FLEET_STORE)")
+        fleet = FleetStore([m for m in members.split(",") if m], name,
+                           token=os.environ.get("STRATA_FLEET_TOKEN") or None)
+        try:
+            yield fleet
+        finally:
+            fleet.close()
+        return
     if url is None:
         url = "unix:" + ensure_server(store_path(args))
     store = RemoteStore(url, token)

@@ -40,7 +40,7 @@ MAX_ANSWER = 128 * 1024 * 1024  # wire.MAX_BODY
 def run(argv: list[str]) -> int | None:
     """The exit code of `strata ls` done here, or None to run it the ordinary way."""
     env = os.environ
-    if env.get("STRATA_SERVER") or env.get("STRATA_TOKEN") or \
+    if env.get("STRATA_SERVER") or env.get("STRATA_TOKEN") or env.get("STRATA_FLEET") or \
             env.get("STRATA_IN_PROCESS") == "1":
         return None
     parsed = _parse(argv)

@@ -19,7 +19,7 @@ from strata import __version__
 # Which module registers each top-level command (tests/test_cli_imports.py checks
 # that this table and the modules agree).
 MODULES = ("admin", "volumes", "branches", "lifecycle", "read", "write", "serve", "mount",
-           "run", "watch", "workspace", "image")
+           "run", "watch", "workspace", "image", "fleet")
 COMMANDS = {
     "init": "admin", "restore": "admin", "stats": "admin", "fsck": "admin",
     "volume": "volumes", "branch": "branches", "fork": "branches",
@@ -30,7 +30,7 @@ COMMANDS = {
     "mount": "mount", "commit": "mount", "status": "mount", "unmount": "mount",
     "reload": "mount",
     "run": "run", "watch": "watch", "ui": "watch", "workspace": "workspace",
-    "image": "image",
+    "image": "image", "fleet": "fleet",
 }
 
 EPILOG = """\
@@ -84,6 +84,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     common.add_argument("--server", metavar="URL", default=argparse.SUPPRESS,
                         help="use the server at unix:PATH or http://HOST:PORT "
                              "(default: $STRATA_SERVER, else the store's own server)")
+    common.add_argument("--fleet", metavar="MEMBERS", default=argparse.SUPPRESS,
+                        help="use a fleet: http://HOST:PORT of members, comma-separated; "
+                             "any live one answers (default: $STRATA_FLEET)")
+    common.add_argument("--fleet-store", metavar="STORE", default=argparse.SUPPRESS,
+                        help="the fleet's store to use (default: $STRATA_FLEET_STORE)")
     common.add_argument("--token", metavar="TOKEN", default=argparse.SUPPRESS,
                         help="bearer token for a TCP server (default: $STRATA_TOKEN)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,

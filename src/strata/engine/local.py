@@ -918,6 +918,11 @@ class LocalStore(Store):
         failed = self._tier.failed
         return str(failed) if isinstance(failed, Fenced) else None
 
+    def set_ack_gate(self, gate: Callable[[], None] | None) -> None:
+        """Ask `gate` before acknowledging anything durable (bucket stores; the fleet's lease)."""
+        if self._tier is not None:
+            self._tier.ack_gate = gate
+
     def tier_report(self) -> dict[str, Any] | None:
         """The bucket tier's state (None for a store without a bucket)."""
         return self._tier.report() if self._tier is not None else None

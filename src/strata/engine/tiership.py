@@ -126,6 +126,7 @@ class TierWriter(PackWriter):
         if not self.tier.strict:
             self.inner.datasync()
             self.tier._check()
+            self._gate()
             return
         # Acknowledged means on the disk and in the bucket: the two at once.
         failed: list[BaseException] = []
@@ -144,6 +145,14 @@ class TierWriter(PackWriter):
             sync.join()
         if failed:
             raise failed[0]
+        self._gate()
+
+    def _gate(self) -> None:
+        # Last, once the bytes are durable: a withheld acknowledgement is retried
+        # with the same txid, which finds the publish if it landed.
+        gate = self.tier.ack_gate
+        if gate is not None:
+            gate()
 
     def close(self) -> None:
         self.inner.close()

@@ -42,6 +42,10 @@ class TierState(PackStore):
         self.strict = strict
         self.cache_size = cache_size
         self.failed: BaseException | None = None
+        # Asked after every datasync, before the journal acknowledges: raises
+        # `Unavailable` to withhold the acknowledgement (a fleet member whose
+        # lease could have expired; strata/fleet/lease.py). None: always ack.
+        self.ack_gate: Callable[[], None] | None = None
         self._lock = threading.Lock()          # pending chunks and the maps below
         self._ship_lock = threading.Lock()     # one segment write at a time, in order
         self._work_lock = threading.Lock()     # the background pass, or a flush

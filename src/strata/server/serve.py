@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -106,8 +107,15 @@ def _owner_connection(path: str) -> http.client.HTTPConnection | None:
 async def run_server(store_dir: str, listens: list[str], *, takeover: bool = False,
                      config: StoreConfig | None = None,
                      on_ready: object = None,
-                     idle_exit: float | None = None) -> ServeResult:
-    """Serve `store_dir` until stopped or handed off; returns what happened."""
+                     idle_exit: float | None = None,
+                     on_open: Callable[[LocalStore], None] | None = None,
+                     stop: asyncio.Event | None = None) -> ServeResult:
+    """Serve `store_dir` until stopped or handed off; returns what happened.
+
+    `on_open` sees the store once it is open, before any request reaches it;
+    with `stop` (a fleet member serving several stores in one process), that
+    event stops the server and SIGTERM/SIGINT are left to the caller.
+    """
     store_dir = os.path.abspath(store_dir)
     read_store_meta(store_dir)  # a clear error if this is not a store
     return_large_buffers_to_the_os()  # keeps the body and answer budgets honest
@@ -178,6 +186,8 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
             pack_age_limit=float(meta.get("pack_age_limit", StoreConfig().pack_age_limit)))
         state.store = await loop.run_in_executor(state.executor,
                                                  lambda: LocalStore(store_dir, cfg))
+        if on_open is not None:
+            on_open(state.store)
     except BaseException as exc:
         # Info, not error: the CLI reports the failure itself, on the terminal.
         log.info("store %s not opened (%s); listeners closed", store_dir,
@@ -223,8 +233,9 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
 
     state.on_handoff = on_handoff
     state.on_stop = on_stop
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(on_stop()))
+    if stop is None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(on_stop()))
     if callable(on_ready):
         on_ready(result)  # gap_seconds is known by now: the CLI reports it at once
 
@@ -267,7 +278,13 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
                 log.warning("background garbage collection failed: %s", exc)
                 continue
 
+    async def watch_stop(event: asyncio.Event) -> None:
+        await event.wait()
+        await on_stop()
+
     tasks = [asyncio.ensure_future(watch_fence())]
+    if stop is not None:
+        tasks.append(asyncio.ensure_future(watch_stop(stop)))
     gc_every = float(os.environ.get("STRATA_GC_INTERVAL", GC_INTERVAL))
     if gc_every > 0:
         tasks.append(asyncio.ensure_future(collect_garbage(gc_every)))

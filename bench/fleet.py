@@ -1,0 +1,180 @@
+"""Fleet benchmarks: failover, planned move, routing overhead (three members on loopback).
+
+- failover: SIGKILL the owner of a `--sync bucket` store while a client
+  publishes through the other members; the time from the kill to the first
+  publish acknowledged by another owner, over KILLS kills (the killed member
+  is restarted between kills, so the fleet stays at three).
+- planned move: `fleet move` to the next member while a client publishes;
+  the gap is the longest wait between two acknowledgements around the move.
+- routing: the same small read (list branches) through the owner and
+  through a member that forwards to it; p50 of each and the difference.
+
+moto runs on loopback and shares the two cores with the three members.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.engine import _pct
+from bench.report import row
+from strata.engine.errors import StrataError
+from strata.engine.txn import Transaction
+from strata.fleet.client import FleetStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fleet"))
+from fleetutil import Fleet, make_volume  # noqa: E402
+
+from bucketutil import BUCKET, Moto  # noqa: E402
+
+
+class Acks:
+    """A client publishing one small file per commit; records (time, owner) of each ack."""
+
+    def __init__(self, addrs: list[str], store: str) -> None:
+        self.remote = FleetStore(addrs, store, retry_for=30.0, timeout=3.0)
+        self.acks: list[tuple[float, str | None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            try:
+                t = Transaction(self.remote, "v")
+                t.write(f"f{n % 50}", os.urandom(512))
+                t.commit()
+                self.acks.append((time.monotonic(), getattr(self.remote.last, "owner", None)))
+            except StrataError:
+                time.sleep(0.01)
+            n += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        self.remote.close()
+
+
+def _others(fleet: Fleet, owner: str) -> list[str]:
+    return [m.addr for n, m in fleet.members.items() if n != owner]
+
+
+def bench_failover(fleet: Fleet, kills: int) -> list[float]:
+    out = []
+    for _ in range(kills):
+        owner = fleet.owner("s")
+        client = Acks(_others(fleet, owner), "s")
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        fleet.kill(owner)
+        deadline = t0 + 60
+        served = None
+        while served is None and time.monotonic() < deadline:
+            served = next((t for t, o in list(client.acks) if t > t0 and o and o != owner),
+                          None)
+            time.sleep(0.01)
+        client.stop()
+        if served is None:
+            raise RuntimeError("no publish served after the owner was killed" + fleet.logs())
+        out.append(served - t0)
+        fleet.start(owner)
+        time.sleep(1.5)  # the restarted member is live again before the next kill
+    return out
+
+
+def _move(fleet: Fleet, store: str, to: str) -> None:
+    lease = fleet.records.lease(store)
+    assert lease is not None
+    req = urllib.request.Request(lease.addr + "/fleet/v1/move",
+                                 data=json.dumps({"store": store, "to": to}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=60) as resp:  # noqa: S310 - loopback
+        resp.read()
+
+
+def bench_moves(fleet: Fleet, moves: int) -> list[float]:
+    gaps = []
+    names = list(fleet.members)
+    for _ in range(moves):
+        owner = fleet.owner("s")
+        to = names[(names.index(owner) + 1) % len(names)]
+        client = Acks(fleet.addrs(), "s")
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        _move(fleet, "s", to)
+        fleet.owner("s", 30, not_=owner)
+        time.sleep(0.5)
+        client.stop()
+        times = [t0] + [t for t, _o in client.acks if t > t0 - 0.2]
+        after = [t for t, o in client.acks if t > t0 and o == to]
+        if not after:
+            raise RuntimeError("no publish through the new owner after a move")
+        window = [t for t in times if t <= after[0]]
+        gaps.append(max(b - a for a, b in zip(window, window[1:], strict=False))
+                    if len(window) > 1 else after[0] - t0)
+    return gaps
+
+
+def bench_routing(fleet: Fleet, n: int) -> tuple[float, float]:
+    owner = fleet.owner("s")
+    via_owner = FleetStore([fleet.members[owner].addr], "s")
+    via_other = FleetStore(_others(fleet, owner)[:1], "s")
+    times: dict[str, list[float]] = {"owner": [], "other": []}
+    try:
+        for _ in range(n):
+            for what, remote in (("owner", via_owner), ("other", via_other)):
+                t = time.perf_counter()
+                remote.list_branches("v")
+                times[what].append(time.perf_counter() - t)
+    finally:
+        via_owner.close()
+        via_other.close()
+    return _pct(times["owner"], 0.5), _pct(times["other"], 0.5)
+
+
+def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
+    work = os.path.join(root, "strata-bench-fleet")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    moto = Moto(Path(work)).start()
+    os.environ.update(moto.env())
+    fleet = Fleet(f"s3://{BUCKET}/fleet", Path(work), moto.env())
+    rows: list[dict[str, Any]] = []
+    try:
+        fleet.records.add_store("s", "bucket")
+        for name in ("a", "b", "c"):
+            fleet.add(name)
+        fleet.owner("s", 60)
+        make_volume(fleet, "s")
+        own50, other50 = bench_routing(fleet, 100 if quick else 500)
+        rows.append(row("fleet: routing overhead (forwarded - direct, small read p50)",
+                        (other50 - own50) * 1e3, "ms", own50 * 1e3, "through the owner p50",
+                        "<= 0.3 ms", met=other50 - own50 <= 0.0003))
+        kills = bench_failover(fleet, 5 if quick else 20)
+        p50, p99 = _pct(kills, 0.5), _pct(kills, 0.99)
+        rows.append(row(f"fleet: owner SIGKILL -> first publish via another member p50 "
+                        f"({len(kills)} kills)", p50, "s", None, "", "", met=None))
+        rows.append(row(f"fleet: owner SIGKILL -> first publish via another member p99 "
+                        f"({len(kills)} kills)", p99, "s", None, "", "<= 5 s", met=p99 <= 5.0))
+        gaps = bench_moves(fleet, 5 if quick else 20)
+        g50, g99 = _pct(gaps, 0.5), _pct(gaps, 0.99)
+        rows.append(row(f"fleet: planned move gap p50 ({len(gaps)} moves)", g50, "s", None,
+                        "", "", met=None))
+        rows.append(row(f"fleet: planned move gap p99 ({len(gaps)} moves)", g99, "s", None,
+                        "", "<= 1 s", met=g99 <= 1.0))
+        print("failover (s):", " ".join(f"{k:.2f}" for k in kills), file=sys.stderr)
+        print("move gaps (s):", " ".join(f"{g:.2f}" for g in gaps), file=sys.stderr)
+    finally:
+        fleet.close()
+        moto.stop()
+    return rows

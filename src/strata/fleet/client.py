@@ -1,0 +1,99 @@
+"""The remote `Store` through a fleet: one store, any live member of a list.
+
+`FleetStore` is `RemoteStore` with two differences: every request names the
+store (`X-Strata-Store`), and a member that does not answer, or answers 503
+(no owner right now, a takeover under way, a lease that ran out), is left
+for the next one in the list. A publish keeps its txid across every
+attempt and every member, so a publish that landed before its answer was
+lost is found, not made twice (docs/design.md, "Publish algorithm").
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+
+from strata.engine.errors import InvalidInput, Unavailable
+from strata.server import wire
+from strata.server.client import BadResponse, RemoteStore, _Conn, parse_server
+
+CONNECT_TIMEOUT = 5.0  # a stopped member is left after this (a SIGSTOPped host accepts)
+
+
+class FleetStore(RemoteStore):
+    """A store of the fleet, reached through any of `members` (http://HOST:PORT each)."""
+
+    def __init__(self, members: Sequence[str], store: str, *, token: str | None = None,
+                 retry_for: float = 60.0, timeout: float = 10.0) -> None:
+        if not members:
+            raise InvalidInput("a fleet client needs at least one member address")
+        self.members = [m.rstrip("/") for m in members]
+        for m in self.members:
+            if parse_server(m)[0] != "tcp":
+                raise InvalidInput(f"a fleet member is http://HOST:PORT, not {m!r}")
+        super().__init__(self.members[0], None, retry_for=retry_for, timeout=timeout,
+                         prefetch=True)
+        self.store = store
+        self.fleet_token = token
+        self._which = 0
+        self._which_lock = threading.Lock()
+        self.last = threading.local()  # the last answer's owner and epoch (for checkers)
+
+    def _conn(self) -> _Conn:
+        conn: _Conn | None = getattr(self._local, "conn", None)
+        if conn is None:
+            with self._which_lock:
+                url = self.members[self._which % len(self.members)]
+            kind, where, port = parse_server(url)
+            conn = _Conn(kind, where, port, self.timeout)
+            self._local.conn = conn
+        return conn
+
+    def _next_member(self) -> None:
+        self._drop_conn()
+        with self._which_lock:
+            self._which += 1
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                ctype: str = "application/json", headers: dict[str, str] | None = None,
+                ) -> tuple[int, dict[str, str], bytes]:
+        hdrs = {"Content-Type": ctype, "X-Strata-Store": self.store, **(headers or {})}
+        if self.fleet_token:
+            hdrs["X-Strata-Fleet-Token"] = self.fleet_token
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.02
+        last = ""
+        while True:
+            try:
+                status, rheaders, data = self._conn().request(method, path, body, hdrs)
+                if rheaders.get("connection", "").lower() == "close":
+                    self._drop_conn()
+            except (OSError, BadResponse) as exc:  # refused, reset, timed out: next member
+                last = str(exc) or type(exc).__name__
+                self._next_member()
+                if time.monotonic() >= deadline:
+                    raise Unavailable(f"no fleet member answered for store {self.store}: "
+                                      f"{last}") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+                continue
+            if status == 503 and time.monotonic() < deadline:
+                try:
+                    wait = float(rheaders.get("retry-after", delay))
+                except ValueError:
+                    wait = delay
+                self._next_member()
+                time.sleep(min(max(wait, 0.01), 1.0, max(deadline - time.monotonic(), 0)))
+                continue
+            self.last.owner = rheaders.get("x-strata-owner")
+            epoch = rheaders.get("x-strata-epoch")
+            self.last.epoch = int(epoch) if epoch and epoch.isdigit() else None
+            if status >= 400:
+                try:
+                    err = json.loads(data)
+                except ValueError:
+                    err = {"message": data[:200].decode(errors="replace")}
+                wire.raise_error(status, err if isinstance(err, dict) else {})
+            return status, rheaders, data

@@ -1,0 +1,166 @@
+"""A store's lease: the owner renews it; it stops acknowledging before it could expire.
+
+**The clock assumption.** Hosts never compare clocks. Each measures spans
+on its own monotonic clock, and we assume every clock's *rate* is within
+`DRIFT` (5 %) of real time; wall-clock offsets, steps and NTP slews of the
+time of day do not matter at all. (A quartz clock off by 100 ppm is 500
+times inside this bound; faketime at 1.04x speed is inside it, see
+tests/fleet.)
+
+**The rule.** An owner starts renewal n at its monotonic time t0; if the
+conditional write succeeds it may acknowledge until t0 + `ack_window(ttl)`
+= t0 + ttl*(1 - DRIFT) - ACK_MARGIN, which in real time ends before
+t0 + ttl. A standby sees renewal n only after it was written, so after t0,
+and treats the lease as expired only once it saw no change for
+`expiry_wait(ttl)` = ttl*(1 + DRIFT) of its own clock: in real time at least
+ttl after t0. So the standby's claim comes after the owner's last possible
+acknowledgement, whatever the two clocks read. The margin covers the step
+between asking the gate and the journal counting a publish as durable.
+
+The gate is asked by the tier after every datasync (engine/tiership.py):
+past the window it raises `Unavailable`, the journal acknowledges nothing,
+and the client retries with the same txid (at the next owner). With
+`--sync bucket` that is belt and braces, since the successor's claim fences
+the owner's next log write anyway; with the default sync it is what keeps a
+cut-off owner from acknowledging publishes the successor will never see.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from strata.engine.errors import AlreadyExists, BucketUnavailable, StrataError, Unavailable
+from strata.fleet.records import FleetRecords, Lease
+
+log = logging.getLogger(__name__)
+
+LEASE_TTL = 2.0          # seconds a renewal is good for
+RENEW_EVERY = 0.5        # an owner renews this often (4 tries per TTL)
+DRIFT = 0.05             # bound on any host clock's rate error (see the docstring)
+ACK_MARGIN = 0.1         # seconds kept between the last acknowledgement and expiry
+MEMBER_TTL = 3.0         # a member whose heartbeat did not change this long is gone
+HEARTBEAT_EVERY = 0.5
+
+# A test-only way to build a broken strata (tests/fleet): "lease" makes an owner
+# acknowledge after its lease could have expired and ignore losing it.
+BROKEN = frozenset(os.environ.get("STRATA_TEST_BREAK", "").split(","))
+
+
+def ack_window(ttl: float) -> float:
+    """How long after starting a successful renewal an owner may acknowledge."""
+    return ttl * (1 - DRIFT) - ACK_MARGIN
+
+
+def expiry_wait(ttl: float) -> float:
+    """How long a standby must see a lease unchanged before it may claim."""
+    return ttl * (1 + DRIFT)
+
+
+class LeaseKeeper:
+    """The owner's side: renew one store's lease, and gate acknowledgements on it.
+
+    A thread of its own renews every RENEW_EVERY seconds with If-Match on the
+    etag it wrote last. A refused write means someone else wrote the record
+    (a claimant after expiry, or an operator): the lease is lost at once. An
+    outage only lets the window run out. `on_lost` is called once, from the
+    thread, when the lease is lost or ran out.
+    """
+
+    def __init__(self, records: FleetRecords, lease: Lease, *, acquired_at: float,
+                 on_lost: Callable[[str], None]) -> None:
+        self.records = records
+        self.lease = lease
+        self.deadline = acquired_at + ack_window(lease.ttl)
+        self.lost: str | None = None
+        self.renewals = 0
+        self.last_renewed = time.monotonic()
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one writer of the record at a time
+        self._thread = threading.Thread(target=self._run, name=f"strata-lease-{lease.store}",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(5)
+
+    def gate(self) -> None:
+        """Raise `Unavailable` unless this owner may still acknowledge."""
+        if "lease" in BROKEN:
+            return
+        if self.lost is not None:
+            raise Unavailable(f"store {self.lease.store}: this member lost its lease "
+                              f"({self.lost}); retry at the new owner", retry_after=0.2)
+        if time.monotonic() >= self.deadline:
+            raise Unavailable(f"store {self.lease.store}: this member's lease could have "
+                              "expired; retry at the new owner", retry_after=0.2)
+
+    def age(self) -> float:
+        return time.monotonic() - self.last_renewed
+
+    def rewrite(self, change: Callable[[Lease], None]) -> Lease:
+        """Write a changed lease (a handoff, a release) as the holder; `AlreadyExists` if lost."""
+        with self._lock:
+            if self.lost is not None:
+                raise AlreadyExists(f"lease of {self.lease.store} lost: {self.lost}")
+            lease = Lease(**{**self.lease.__dict__})
+            change(lease)
+            lease.seq += 1
+            prior = self.lease.etag
+            t0 = time.monotonic()
+            self.lease = self.records.write_lease(lease, prior)
+            if lease.state == "serving":
+                self.deadline = t0 + ack_window(lease.ttl)
+            else:
+                self.deadline = 0.0  # handing off or freeing: acknowledge nothing more
+            return self.lease
+
+    def renew(self) -> None:
+        with self._lock:
+            if self.lost is not None or self.lease.state != "serving":
+                return
+            lease = Lease(**{**self.lease.__dict__})
+            lease.seq += 1
+            t0 = time.monotonic()
+            try:
+                self.lease = self.records.write_lease(lease, self.lease.etag)
+            except AlreadyExists:
+                if "lease" in BROKEN:
+                    return
+                self._lose("another member wrote the lease")
+                return
+            except BucketUnavailable as exc:
+                log.warning("store %s: lease renewal failed (%s); acknowledging until "
+                            "%.1f s from now at most", self.lease.store, exc,
+                            max(0.0, self.deadline - time.monotonic()))
+                return
+            self.deadline = t0 + ack_window(lease.ttl)
+            self.renewals += 1
+            self.last_renewed = t0
+
+    def _lose(self, why: str) -> None:
+        if self.lost is None:
+            self.lost = why
+            self.deadline = 0.0
+            log.warning("store %s: lease lost: %s", self.lease.store, why)
+            self._on_lost(why)
+
+    def _run(self) -> None:
+        while not self._stop.wait(RENEW_EVERY):
+            try:
+                self.renew()
+            except StrataError as exc:  # a damaged record: the window runs out
+                log.warning("store %s: lease renewal: %s", self.lease.store, exc)
+            if self.lost is None and self.lease.state == "serving" \
+                    and time.monotonic() >= self.deadline and "lease" not in BROKEN:
+                self._lose("could not renew in time")
+            if self.lost is not None:
+                return

@@ -1,0 +1,492 @@
+"""A fleet member: routes for every store, owns some, stands by for the rest.
+
+One process per host (`strata fleet join`). It
+
+- writes its heartbeat to the bucket (fleet/records.py);
+- for each store it owns, runs the ordinary owner (`server/serve.run_server`
+  on the store's unix socket, in this process and event loop) and a
+  `LeaseKeeper` whose gate the store's tier asks before acknowledging;
+- answers every API request on its TCP address for any store named in the
+  `X-Strata-Store` header: its own stores through their unix sockets, the
+  others forwarded, as they came, to the owner the lease names (cached;
+  refreshed by the scan, and dropped when a forward fails). No owner right
+  now: 503 with Retry-After, and the client sends the same request again;
+- watches every lease and claims a store when its lease expired (by its own
+  clock: unchanged for `expiry_wait`), when it is free, or when it is handed
+  to this member. Among live members, a rendezvous hash picks who claims
+  first; the next in line waits one TTL more, and so on. A claim writes the
+  lease (If-Match) and then runs the fenced takeover of the store's owner log
+  (restore without download, new epoch).
+
+Nothing here decides who may acknowledge: the owner log's fence and the
+lease window (fleet/lease.py) do. This module never prints; the CLI does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from strata.engine.errors import AlreadyExists, StrataError
+from strata.engine.local import LocalStore
+from strata.fleet.lease import (
+    HEARTBEAT_EVERY,
+    LEASE_TTL,
+    MEMBER_TTL,
+    LeaseKeeper,
+    expiry_wait,
+)
+from strata.fleet.records import FleetRecords, Lease, rendezvous, store_url
+from strata.server.client import default_socket
+
+log = logging.getLogger(__name__)
+
+SCAN_EVERY = 0.2          # seconds between reads of the leases
+CATALOG_EVERY = 2.0       # seconds between LISTs of stores and members
+FORWARD_TIMEOUT = 4.0     # a forward that waits this long for an owner gives up (503)
+RETRY_AFTER = "0.20"
+HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
+       "content-encoding"}
+
+
+@dataclass
+class Owned:
+    store: str
+    path: str
+    keeper: LeaseKeeper
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    serving: bool = False
+    epoch: int | None = None
+    local: LocalStore | None = None
+    session: aiohttp.ClientSession | None = None
+    task: asyncio.Task[Any] | None = None
+    claimed_in: float = 0.0
+
+
+@dataclass
+class Seen:
+    """A record as this member last saw it, and since when (its own monotonic clock)."""
+
+    version: Any
+    since: float
+    body: Any
+
+
+class Member:
+    def __init__(self, url: str, name: str, host: str, port: int, data_dir: str, *,
+                 key: bytes | None = None, ttl: float = LEASE_TTL,
+                 token: str | None = None, advertise: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.name = name
+        self.host, self.port = host, port
+        self.addr = advertise or f"http://{host}:{port}"
+        self.dir = os.path.abspath(data_dir)
+        self.key = key
+        self.ttl = ttl
+        self.token = token
+        self.records = FleetRecords(self.url)
+        self.owned: dict[str, Owned] = {}
+        self.claiming: set[str] = set()
+        self.catalog: dict[str, dict[str, Any]] = {}
+        self.leases: dict[str, Seen] = {}        # store -> the lease as seen
+        self.members: dict[str, Seen] = {}       # name -> heartbeat as seen
+        self.leaving = False
+        self.done = asyncio.Event()
+        self.started = time.monotonic()
+        self._beat = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.claims: list[dict[str, Any]] = []   # for status: how long each claim took
+
+    # -- running ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        os.makedirs(os.path.join(self.dir, "stores"), exist_ok=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.records.bucket.check_conditional)
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT),
+            connector=aiohttp.TCPConnector(limit=256), auto_decompress=False)
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/fleet/v1/status", self._status)
+        app.router.add_post("/fleet/v1/move", self._move)
+        app.router.add_post("/fleet/v1/leave", self._leave)
+        app.router.add_route("*", "/{tail:.*}", self._route)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        await self._heartbeat_once()
+        self._tasks = [asyncio.ensure_future(self._heartbeats()),
+                       asyncio.ensure_future(self._scans())]
+        log.info("member %s of %s serving on %s", self.name, self.url, self.addr)
+        try:
+            await self.done.wait()
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            for owned in list(self.owned.values()):
+                await self._release(owned)
+            await runner.cleanup()
+            await self._session.close()
+
+    def stop(self) -> None:
+        self.done.set()
+
+    # -- heartbeats and scans ---------------------------------------------------------
+
+    def _info(self) -> dict[str, Any]:
+        stores = {}
+        for s, o in self.owned.items():
+            rep = (o.local.tier_report() if o.local is not None else None) or {}
+            last = rep.get("last_ship")
+            stores[s] = {"epoch": o.epoch, "serving": o.serving, "sync": o.keeper.lease.sync,
+                         "lease_age": round(o.keeper.age(), 3),
+                         "unshipped_bytes": rep.get("unshipped_bytes"),
+                         "lag": round(time.time() - last, 3) if isinstance(last, float)
+                         else None, "claimed_in": round(o.claimed_in, 3)}
+        return {"stores": stores, "leaving": self.leaving}
+
+    async def _heartbeat_once(self) -> None:
+        self._beat += 1
+        info = self._info()
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.records.heartbeat, self.name, self.addr, self._beat, info)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_EVERY)
+            if self.leaving:
+                continue
+            try:
+                await self._heartbeat_once()
+            except StrataError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def live_members(self) -> list[str]:
+        now = time.monotonic()
+        live = [n for n, s in self.members.items()
+                if now - s.since < MEMBER_TTL and not s.body.get("leaving")]
+        if not self.leaving and self.name not in live:
+            live.append(self.name)
+        return live
+
+    async def _scans(self) -> None:
+        loop = asyncio.get_running_loop()
+        listed = 0.0
+        while True:
+            try:
+                if time.monotonic() - listed >= CATALOG_EVERY or not self.catalog:
+                    self.catalog = await loop.run_in_executor(None, self.records.stores)
+                    members = await loop.run_in_executor(None, self.records.members)
+                    self._observe_members(members)
+                    listed = time.monotonic()
+                elif time.monotonic() - listed >= HEARTBEAT_EVERY:
+                    pass
+                leases = await asyncio.gather(*[
+                    loop.run_in_executor(None, self.records.lease, s) for s in self.catalog])
+                for store, lease in zip(list(self.catalog), leases, strict=True):
+                    self._observe_lease(store, lease)
+                self._decide()
+            except StrataError as exc:
+                log.warning("fleet scan failed: %s", exc)
+            except asyncio.CancelledError:
+                raise
+            await asyncio.sleep(SCAN_EVERY)
+
+    def _observe_members(self, members: dict[str, dict[str, Any]]) -> None:
+        now = time.monotonic()
+        for name, body in members.items():
+            seen = self.members.get(name)
+            version = body.get("seq")
+            if seen is None or seen.version != version:
+                self.members[name] = Seen(version, now, body)
+        for name in list(self.members):
+            if name not in members:
+                del self.members[name]
+
+    def _observe_lease(self, store: str, lease: Lease | None) -> None:
+        seen = self.leases.get(store)
+        version = lease.version() if lease is not None else None
+        if seen is None or seen.version != version:
+            self.leases[store] = Seen(version, time.monotonic(), lease)
+
+    def route(self, store: str) -> Lease | None:
+        seen = self.leases.get(store)
+        return seen.body if seen is not None else None
+
+    def _decide(self) -> None:
+        if self.leaving:
+            return
+        now = time.monotonic()
+        live = self.live_members()
+        for store, meta in self.catalog.items():
+            if store in self.owned or store in self.claiming:
+                continue
+            seen = self.leases.get(store)
+            lease: Lease | None = seen.body if seen is not None else None
+            if lease is not None and lease.state == "handoff" and lease.target == self.name:
+                self._claim(store, lease, meta)
+                continue
+            if lease is not None and lease.state in ("serving", "claiming", "handoff"):
+                if seen is None or now - seen.since < expiry_wait(lease.ttl):
+                    continue  # live (or not seen long enough to tell)
+                expired_for = now - seen.since - expiry_wait(lease.ttl)
+                holder = lease.holder
+            else:
+                # Never owned, or freed: no wait beyond the order among members.
+                expired_for = now - (seen.since if seen else now)
+                holder = None
+            order = rendezvous(store, [m for m in live if m != holder])
+            if self.name not in order:
+                continue
+            rank = order.index(self.name)
+            if expired_for >= rank * self.ttl:
+                self._claim(store, lease, meta)
+
+    # -- claiming and owning ----------------------------------------------------------
+
+    def _claim(self, store: str, old: Lease | None, meta: dict[str, Any]) -> None:
+        self.claiming.add(store)
+        asyncio.ensure_future(self._claim_task(store, old, meta))
+
+    async def _claim_task(self, store: str, old: Lease | None, meta: dict[str, Any]) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        try:
+            sync = str(meta.get("sync", "local"))
+            lease = Lease(store=store, holder=self.name, addr=self.addr, state="claiming",
+                          epoch=None, seq=(old.seq + 1) if old else 0, ttl=self.ttl,
+                          sync=sync)
+            try:
+                t_write = time.monotonic()
+                lease = await loop.run_in_executor(
+                    None, self.records.write_lease, lease, old.etag if old else None)
+            except AlreadyExists:
+                log.info("store %s: another member claimed it first", store)
+                return
+            path = os.path.join(self.dir, "stores", store)
+            owned = Owned(store, path, keeper=None)  # type: ignore[arg-type]
+
+            def lost(why: str) -> None:
+                loop.call_soon_threadsafe(owned.stop.set)
+
+            owned.keeper = LeaseKeeper(self.records, lease, acquired_at=t_write, on_lost=lost)
+            owned.keeper.start()
+            self.owned[store] = owned
+            log.info("store %s: claiming (lease was %s)", store,
+                     f"{old.holder}/{old.state}" if old else "absent")
+            await loop.run_in_executor(None, self._prepare, path, store, sync)
+            ready = asyncio.Event()
+            owned.task = asyncio.ensure_future(self._serve(owned, ready))
+            waiter = asyncio.ensure_future(ready.wait())
+            await asyncio.wait([owned.task, waiter], return_when=asyncio.FIRST_COMPLETED)
+            if not ready.is_set():
+                waiter.cancel()
+                return
+            rep = owned.local.tier_report() if owned.local is not None else None
+            owned.epoch = int(rep["epoch"]) if rep and rep.get("epoch") is not None else None
+            owned.session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=default_socket(path)),
+                timeout=aiohttp.ClientTimeout(total=120), auto_decompress=False)
+            await loop.run_in_executor(None, owned.keeper.rewrite, self._serving(owned.epoch))
+            owned.serving = True
+            owned.claimed_in = time.monotonic() - t0
+            self.claims.append({"store": store, "seconds": owned.claimed_in,
+                                "epoch": owned.epoch})
+            log.info("store %s: serving, epoch %s, claimed in %.0f ms", store, owned.epoch,
+                     owned.claimed_in * 1000)
+        except (StrataError, OSError) as exc:
+            log.warning("store %s: claim failed: %s", store, exc)
+            o = self.owned.get(store)
+            if o is not None:
+                o.stop.set()
+        finally:
+            self.claiming.discard(store)
+
+    def _serving(self, epoch: int | None) -> Any:
+        def change(lease: Lease) -> None:
+            lease.state, lease.epoch, lease.addr, lease.target = "serving", epoch, self.addr, None
+        return change
+
+    def _prepare(self, path: str, store: str, sync: str) -> str:
+        from strata.engine.tier import prepare  # obstore: only with a bucket
+        if os.path.exists(path):
+            # An older copy from when this member owned the store: its epoch is over,
+            # and the engine refuses to open it. The bucket holds everything.
+            gone = f"{path}.old-{os.getpid()}-{time.monotonic_ns()}"
+            os.rename(path, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return prepare(path, store_url(self.url, store), takeover=True, key=self.key,
+                       sync=sync)
+
+    async def _serve(self, owned: Owned, ready: asyncio.Event) -> None:
+        from strata.server.serve import run_server
+
+        def opened(store: LocalStore) -> None:
+            owned.local = store
+            store.set_ack_gate(owned.keeper.gate)
+
+        try:
+            result = await run_server(owned.path, [], on_open=opened, stop=owned.stop,
+                                      on_ready=lambda _r: ready.set())
+            log.info("store %s: owner stopped (%s)", owned.store,
+                     "; ".join(result.notes) or "asked")
+        except (StrataError, OSError) as exc:
+            log.warning("store %s: owner failed: %s", owned.store, exc)
+        finally:
+            owned.serving = False
+            owned.keeper.stop()
+            if owned.session is not None:
+                await owned.session.close()
+            if self.owned.get(owned.store) is owned:
+                del self.owned[owned.store]
+
+    async def _release(self, owned: Owned) -> None:
+        owned.serving = False
+        owned.stop.set()
+        if owned.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await owned.task
+
+    async def handoff(self, store: str, to: str | None) -> dict[str, Any]:
+        """Planned move: stop acknowledging, close (all shipped), hand the lease to `to`."""
+        owned = self.owned.get(store)
+        if owned is None or not owned.serving:
+            raise AlreadyExists(f"store {store} is not served by {self.name}")
+        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        await self._release(owned)  # drains, ships and checkpoints on close
+
+        def change(lease: Lease) -> None:
+            lease.state, lease.target = ("handoff", to) if to else ("free", None)
+        # The store is closed: the lease is ours to hand over even if its window ran out.
+        owned.keeper.lost = None
+        await loop.run_in_executor(None, owned.keeper.rewrite, change)
+        return {"store": store, "to": to, "released_in": time.monotonic() - t0}
+
+    # -- the API front ----------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        if self.token is None:
+            return True
+        return request.headers.get("X-Strata-Fleet-Token") == self.token
+
+    async def _status(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._forbidden()
+        return web.json_response(self.status())
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        leases = {}
+        for store, seen in self.leases.items():
+            lease: Lease | None = seen.body
+            leases[store] = None if lease is None else {
+                "holder": lease.holder, "state": lease.state, "epoch": lease.epoch,
+                "sync": lease.sync, "addr": lease.addr, "target": lease.target,
+                "unchanged_for": round(now - seen.since, 3)}
+        return {"member": self.name, "addr": self.addr, "leaving": self.leaving,
+                "live": sorted(self.live_members()), "leases": leases,
+                "owned": self._info()["stores"], "claims": self.claims[-20:]}
+
+    async def _move(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._forbidden()
+        body = await request.json()
+        store, to = str(body.get("store")), body.get("to")
+        try:
+            return web.json_response(await self.handoff(store, to))
+        except AlreadyExists as exc:
+            return web.json_response({"error": str(exc)}, status=409)
+
+    async def _leave(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._forbidden()
+        moved = await self.leave()
+        asyncio.get_running_loop().call_later(0.2, self.done.set)
+        return web.json_response({"member": self.name, "moved": moved})
+
+    async def leave(self) -> list[dict[str, Any]]:
+        """Hand every owned store to the next member in its order, then stop."""
+        self.leaving = True
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.records.heartbeat, self.name, self.addr,
+                                   self._beat + 1, self._info())
+        moved = []
+        for store in list(self.owned):
+            order = rendezvous(store, [m for m in self.live_members() if m != self.name])
+            with contextlib.suppress(AlreadyExists):
+                moved.append(await self.handoff(store, order[0] if order else None))
+        await loop.run_in_executor(None, self.records.forget_member, self.name)
+        return moved
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
+        if not self._authorized(request):
+            return web.json_response({"error": "Forbidden", "message": "fleet token needed"},
+                                     status=403)
+        store = request.headers.get("X-Strata-Store")
+        if not store:
+            return web.json_response({"error": "InvalidInput", "message":
+                                      "name the store: X-Strata-Store header"}, status=400)
+        body = await request.read()
+        owned = self.owned.get(store)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+        if owned is not None and owned.serving and owned.session is not None \
+                and owned.keeper.lost is None and time.monotonic() < owned.keeper.deadline:
+            try:
+                async with owned.session.request(request.method, "http://owner" + request.path_qs,
+                                                 data=body, headers=headers) as resp:
+                    data = await resp.read()
+                    out = self._answer(resp, data)
+            except (TimeoutError, aiohttp.ClientError):
+                return self._retry(f"store {store} is changing owner")
+            out.headers["X-Strata-Epoch"] = str(owned.epoch)
+            out.headers["X-Strata-Owner"] = self.name
+            if out.status == 503 and "Retry-After" not in out.headers \
+                    and (time.monotonic() >= owned.keeper.deadline or not owned.serving):
+                out.headers["Retry-After"] = RETRY_AFTER  # the lease gate: try the next owner
+            return out
+        if "X-Strata-Forwarded" in request.headers:
+            # Sent here by a member whose cache is stale: never forward twice.
+            return self._retry(f"{self.name} does not own store {store}")
+        lease = self.route(store)
+        if lease is None or lease.state != "serving" or lease.holder == self.name:
+            return self._retry(f"store {store} has no owner right now")
+        headers["X-Strata-Forwarded"] = self.name
+        assert self._session is not None
+        try:
+            async with self._session.request(request.method, lease.addr + request.path_qs,
+                                             data=body, headers=headers) as resp:
+                data = await resp.read()
+                return self._answer(resp, data)
+        except (TimeoutError, aiohttp.ClientError):
+            return self._retry(f"store {store}: its owner {lease.holder} does not answer")
+
+    @staticmethod
+    def _answer(resp: aiohttp.ClientResponse, data: bytes) -> web.Response:
+        out = web.Response(status=resp.status, body=data)
+        for k, v in resp.headers.items():
+            if k.lower() not in HOP and k.lower() not in ("date", "server"):
+                out.headers[k] = v
+        return out
+
+    @staticmethod
+    def _forbidden() -> web.Response:
+        return web.json_response({"error": "Forbidden", "message": "fleet token needed"},
+                                 status=403)
+
+    @staticmethod
+    def _retry(message: str) -> web.Response:
+        return web.json_response({"error": "Unavailable", "message": message}, status=503,
+                                 headers={"Retry-After": RETRY_AFTER})

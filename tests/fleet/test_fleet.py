@@ -1,0 +1,82 @@
+"""A fleet on loopback: routing through any member, failover on SIGKILL, a planned move."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fleetutil import Fleet, Publishers, check, make_volume
+
+from bucketutil import Moto
+from strata_harness import STRATA
+
+
+@pytest.fixture
+def fleet(moto: Moto, fleet_url: str, tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(fleet_url, tmp_path, moto.env())
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def test_any_member_routes_and_a_killed_owner_is_replaced(fleet: Fleet) -> None:
+    fleet.records.add_store("s1", "bucket")
+    for name in ("a", "b", "c"):
+        fleet.add(name)
+    owner = fleet.owner("s1")
+    make_volume(fleet, "s1")
+    pubs = Publishers(fleet, ["s1"], per_store=2).start()
+    time.sleep(2)
+    fleet.kill(owner)
+    t0 = time.monotonic()
+    new = fleet.owner("s1", not_=owner)
+    print(f"failover to {new} seen in the bucket after {time.monotonic() - t0:.2f} s")
+    time.sleep(2)
+    history = pubs.stop()
+    acked = history.acked()
+    assert len([o for o in acked if o.owner == new]) > 0, fleet.logs()
+    assert check(fleet, history, ["s1"]) == [], fleet.logs()
+
+
+def strata(*args: str, input: bytes | None = None,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([*STRATA, *args], input=input, capture_output=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_the_cli_adds_shows_moves_and_leaves(fleet: Fleet) -> None:
+    url = fleet.url
+    assert strata("fleet", "add-store", url, "s1", "--sync", "bucket").returncode == 0
+    for name in ("a", "b", "c"):
+        fleet.add(name)
+    owner = fleet.owner("s1")
+    members = ",".join(fleet.addrs())
+    via = ["--fleet", members, "--fleet-store", "s1"]
+    done = strata(*via, "volume", "create", "v")
+    assert done.returncode == 0, done.stderr
+    done = strata(*via, "put", "v", "hello.txt", input=b"hi from any member\n")
+    assert done.returncode == 0, done.stderr
+    st = json.loads(strata("fleet", "status", url, "--json").stdout)
+    assert set(st["members"]) == {"a", "b", "c"}
+    s1 = st["stores"]["s1"]
+    assert s1["owner"] == owner and s1["state"] == "serving" and s1["sync"] == "bucket"
+    assert isinstance(s1["epoch"], int)
+    assert "STORE" in strata("fleet", "status", url).stdout.decode()
+    # A planned move, then the old owner's host leaves: the store stays readable.
+    to = next(n for n in ("a", "b", "c") if n != owner)
+    moved = strata("fleet", "move", url, "s1", "--to", to, "--json")
+    assert moved.returncode == 0, moved.stderr.decode() + fleet.logs()
+    gap = json.loads(moved.stdout)["gap_seconds"]
+    print(f"planned move {owner} -> {to}: {gap:.2f} s")
+    assert fleet.owner("s1") == to
+    left = strata("fleet", "leave", url, "--name", to)
+    assert left.returncode == 0, left.stderr.decode() + fleet.logs()
+    assert fleet.owner("s1", not_=to) != to
+    cat = strata(*via, "cat", "v", "hello.txt")
+    assert cat.stdout == b"hi from any member\n", cat.stderr.decode() + fleet.logs()

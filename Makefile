@@ -15,8 +15,8 @@ STAMP  := $(VENV)/.stamp
 # (npm comes with this machine's nodejs build; Debian's own npm package conflicts with it).
 APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync iproute2 \
                 chromium chromium-driver zstd e2fsprogs nodejs \
-                umoci skopeo busybox-static
-APT_OPTIONAL := runsc s3fs s3backer rclone mmdebstrap
+                umoci skopeo busybox-static mmdebstrap
+APT_OPTIONAL := runsc s3fs s3backer rclone
 
 .PHONY: deps apt-deps lint test demo bench bench-scale day fuzz clean
 

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,7 +98,10 @@ def debian_tar(request: pytest.FixtureRequest) -> Path:
     """
     if shutil.which("mmdebstrap") is None:
         pytest.fail("mmdebstrap is not installed (make apt-deps installs it)")
-    cache = Path(request.config.cache.mkdir("strata-mmdebstrap"))
+    if getattr(request.config, "cache", None) is not None:
+        cache = Path(request.config.cache.mkdir("strata-mmdebstrap"))
+    else:  # -p no:cacheprovider: build it for this session only
+        cache = Path(tempfile.mkdtemp(prefix="strata-mmdebstrap-"))
     tar = cache / "bookworm-minbase-python3.tar"
     if not tar.exists():
         tmp = cache / "building.tar"

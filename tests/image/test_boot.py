@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import tarfile
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,7 +89,8 @@ def test_a_volume_without_config_still_needs_a_command(ienv: StepEnv, images: Im
 
 
 @pytest.fixture(scope="session")
-def debian_tar(request: pytest.FixtureRequest) -> Path:
+def debian_tar(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Path:
     """A minbase bookworm with python3-minimal from mmdebstrap, kept in pytest's cache.
 
     mmdebstrap fetches the packages from the machine's Debian mirror (about 25 s
@@ -101,7 +101,7 @@ def debian_tar(request: pytest.FixtureRequest) -> Path:
     if getattr(request.config, "cache", None) is not None:
         cache = Path(request.config.cache.mkdir("strata-mmdebstrap"))
     else:  # -p no:cacheprovider: build it for this session only
-        cache = Path(tempfile.mkdtemp(prefix="strata-mmdebstrap-"))
+        cache = tmp_path_factory.mktemp("mmdebstrap")
     tar = cache / "bookworm-minbase-python3.tar"
     if not tar.exists():
         tmp = cache / "building.tar"

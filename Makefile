@@ -13,10 +13,12 @@ STAMP  := $(VENV)/.stamp
 # The day benchmark (`make day`) also runs its peers over the same moto bucket: s3fs,
 # s3backer (with ext4 on its block device), rclone mount, and npm for its `npm ci`
 # (npm comes with this machine's nodejs build; Debian's own npm package conflicts with it).
+# The image tests build real images with umoci, skopeo and busybox-static, and a Debian
+# root with mmdebstrap (from the machine's Debian mirror, cached in .pytest_cache).
 APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync iproute2 \
                 chromium chromium-driver zstd e2fsprogs nodejs \
-                umoci skopeo busybox-static
-APT_OPTIONAL := runsc s3fs s3backer rclone mmdebstrap
+                umoci skopeo busybox-static mmdebstrap
+APT_OPTIONAL := runsc s3fs s3backer rclone
 
 .PHONY: deps apt-deps lint test demo bench bench-scale bench-fleet day fuzz clean
 

@@ -89,7 +89,8 @@ def test_a_volume_without_config_still_needs_a_command(ienv: StepEnv, images: Im
 
 
 @pytest.fixture(scope="session")
-def debian_tar(request: pytest.FixtureRequest) -> Path:
+def debian_tar(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Path:
     """A minbase bookworm with python3-minimal from mmdebstrap, kept in pytest's cache.
 
     mmdebstrap fetches the packages from the machine's Debian mirror (about 25 s
@@ -97,7 +98,10 @@ def debian_tar(request: pytest.FixtureRequest) -> Path:
     """
     if shutil.which("mmdebstrap") is None:
         pytest.fail("mmdebstrap is not installed (make apt-deps installs it)")
-    cache = Path(request.config.cache.mkdir("strata-mmdebstrap"))
+    if getattr(request.config, "cache", None) is not None:
+        cache = Path(request.config.cache.mkdir("strata-mmdebstrap"))
+    else:  # -p no:cacheprovider: build it for this session only
+        cache = tmp_path_factory.mktemp("mmdebstrap")
     tar = cache / "bookworm-minbase-python3.tar"
     if not tar.exists():
         tmp = cache / "building.tar"

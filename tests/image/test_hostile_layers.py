@@ -201,6 +201,13 @@ def test_garbage_is_refused_as_no_tar(kept: LocalStore, tmp_path: Path) -> None:
              "tar|malformed|ends early|header")
 
 
+@pytest.mark.parametrize("head", [b"\x1f\x8b\x08\x00", b"\x28\xb5\x2f\xfd"])
+def test_a_layer_that_does_not_decompress_is_refused(kept: LocalStore, tmp_path: Path,
+                                                     head: bytes) -> None:
+    _refused(kept, _layout(tmp_path, head + b"\x00 not really compressed" * 50, media=PLAIN),
+             "does not decompress")
+
+
 def test_zstd_layers_import(store: LocalStore, tmp_path: Path) -> None:
     sid = import_image(store, str(_layout(tmp_path, tar_bytes(("z", {"data": b"zstd"})),
                                           media=ZSTD)), "img", "t")

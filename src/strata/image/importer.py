@@ -93,7 +93,7 @@ def _import_source(store: Store, source: ImageSource, volume: str, branch: str, 
             progress(f"layer {i + 1}/{len(source.layers)}")
         with layer.open() as raw:
             blob = Verified(raw, layer.digest, layer.size, layer.label)
-            stream = CountingReader(decompressed(blob), budget)
+            stream = CountingReader(decompressed(blob), budget, layer.label)
             tree.apply(stream, budget, layer.label)  # type: ignore[arg-type]
             stream.drain()
             blob.check()

@@ -122,13 +122,20 @@ class Budget:
 class CountingReader:
     """A decompressed layer stream: counted against the budget, hashed for the diff id."""
 
-    def __init__(self, inner: IO[bytes], budget: Budget) -> None:
+    def __init__(self, inner: IO[bytes], budget: Budget, label: str = "the layer") -> None:
         self.inner = inner
         self.budget = budget
+        self.label = label
         self.sha = hashlib.sha256()
 
     def read(self, n: int = -1) -> bytes:
-        data = self.inner.read(n if n is not None and n >= 0 else 1 << 20)
+        try:
+            data = self.inner.read(n if n is not None and n >= 0 else 1 << 20)
+        except InvalidInput:
+            raise
+        except Exception as exc:  # zlib.error, ZstdError, BadGzipFile, EOFError: bad input
+            raise LayerRefused(f"refusing {self.label}: it does not decompress "
+                               f"({type(exc).__name__}: {exc})") from exc
         if data:
             self.budget.read(len(data))
             self.sha.update(data)

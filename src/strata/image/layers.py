@@ -53,13 +53,14 @@ from strata.engine.objects import (
     link_group,
 )
 from strata.engine.tree import NodeCache, Trees, encode_name
-from strata.engine.txn import ContentWriter
+from strata.engine.txn import ContentWriter, FileBuilder
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
 MAX_HEADER = 1 << 20       # a PAX or GNU long-name header larger than this is refused
 MAX_SYMLINK_HOPS = 40      # as Linux's ELOOP
 MAX_DEPTH = 512            # deeper paths are refused (the tree is built recursively)
+PIECE = 1 << 20            # a file member is read and cut in pieces of this size
 GiB = 1 << 30
 
 
@@ -413,26 +414,15 @@ class ImageTree:
             if len(data) != size:
                 raise LayerRefused(f"refusing the layer: {name!r} ends early")
             return cw.file_entry(data, meta)
-        bs = cw.block_size
-        blocks = []
+        builder = FileBuilder(cw)  # cut by content, so image versions share chunks
         left = size
         while left:
-            data = f.read(min(bs, left))
+            data = f.read(min(PIECE, left))
             if not data:
                 raise LayerRefused(f"refusing the layer: {name!r} ends early")
-            if len(data) < min(bs, left):  # a short read mid-block: fill the block
-                parts = [data]
-                got = len(data)
-                while got < min(bs, left):
-                    more = f.read(min(bs, left) - got)
-                    if not more:
-                        raise LayerRefused(f"refusing the layer: {name!r} ends early")
-                    parts.append(more)
-                    got += len(more)
-                data = b"".join(parts)
-            blocks.append(cw.block(data))
+            builder.write(data)
             left -= len(data)
-        return cw.node_entry(blocks, size, meta)
+        return builder.entry(meta)
 
     # -- the result ----------------------------------------------------------------
 

@@ -37,6 +37,7 @@ import blake3
 import msgpack
 
 from strata.engine.errors import AlreadyExists, Conflict, InvalidInput, NotFound, StrataError
+from strata.engine.filetree import CDC_AVG
 from strata.engine.interface import Store
 from strata.engine.names import check_hex_id
 from strata.engine.objects import BLOCK, FILENODE, K_DIR, K_FILE, Entry, FileNode
@@ -213,9 +214,12 @@ def load_trace(store: Store, volume: str, snapshot: str) -> list[TraceEntry] | N
             fnode = FileNode.decode(store.get_object(e.ref))
         except ValueError as exc:
             raise InvalidInput(f"boot trace's file node: {exc}") from None
-        if fnode.size != e.size or fnode.block_size <= 0:
+        if fnode.size != e.size:
             raise InvalidInput("boot trace's file node disagrees with its entry")
-        want = fnode.block_ids(0, e.size)
+        try:  # a trace of 4 MiB at most is a few chunks under one node
+            want = fnode.block_ids(0, e.size)
+        except ValueError as exc:
+            raise InvalidInput(f"boot trace's file node: {exc}") from None
         got = dict(zip(want, store.get_objects(want), strict=True))
         raw = fnode.read(0, e.size, got.__getitem__)
     return decode(raw, snapshot)
@@ -404,12 +408,19 @@ class Prefetcher:
             raise InvalidInput(f"object {e.ref.hex()} is no file node")
         fnode = FileNode.decode(raw)
         end = min(e.size, entry.offset + entry.length)
-        want = [oid for oid in fnode.block_ids(entry.offset, end) if not self.cache.has(oid)]
+        source = self._source
+
+        def get_node(oid: bytes) -> bytes:  # a large file's inner nodes, checked and cached
+            return self.cache.get(oid, source.get_object, (FILENODE,))
+
+        want = [oid for oid in fnode.block_ids(entry.offset, end, get_node)
+                if not self.cache.has(oid)]
+        unit = fnode.block_size or CDC_AVG  # fixed blocks, or chunks of this size on average
         with self._lock:
-            room = max(0, PREFETCH_BUDGET - self._planned) // max(1, fnode.block_size)
+            room = max(0, PREFETCH_BUDGET - self._planned) // unit
             want = want[:room]  # a trace naming the whole image fetches no more than this
-            self._planned += len(want) * fnode.block_size
-        per = max(1, REQUEST_BYTES // max(1, fnode.block_size))
+            self._planned += len(want) * unit
+        per = max(1, REQUEST_BYTES // unit)
         return [want[i:i + per] for i in range(0, len(want), per)]
 
     def _fetch(self, oids: list[bytes]) -> None:

@@ -131,8 +131,9 @@ def test_first_boot_records_and_a_cold_boot_prefetches_the_trace(senv: StepEnv, 
             continue
         assert cache.has(entry.ref)
         fnode = FileNode.decode(cache.get(entry.ref, store.get_object, (FILENODE,)))
+
         def inner(oid: bytes) -> bytes:  # a large file's inner nodes came with the prefetch
-            assert cache.has(oid), (e.path, e.offset)
+            assert cache.has(oid), oid.hex()
             return cache.get(oid, store.get_object, (FILENODE,))
 
         for oid in fnode.block_ids(e.offset, min(entry.size, e.offset + e.length), inner):

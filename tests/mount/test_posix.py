@@ -15,6 +15,7 @@ import fcntl
 import json
 import mmap
 import os
+import random
 import shutil
 import stat as statmod
 import subprocess
@@ -679,10 +680,14 @@ def test_commit_of_a_large_file_reads_it_back_in_batches(sm: SharedMount) -> Non
     """Committing a 512 MiB file does not hold the file in the committer's memory."""
     m = sm.m
     block = 64 * 1024
-    count = 8192  # distinct blocks: nothing dedupes
+    count = 8192  # random bytes: no chunk repeats, nothing dedupes
+
+    def content(i: int) -> bytes:
+        return random.Random(i).randbytes(block)
+
     with open(m / "large", "wb") as fh:
         for i in range(count):
-            fh.write(i.to_bytes(8, "little") * (block // 8))
+            fh.write(content(i))
     p = subprocess.run([sys.executable, "-c", COMMIT_MEASURED, str(m)], env=sm.env.env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -692,7 +697,7 @@ def test_commit_of_a_large_file_reads_it_back_in_batches(sm: SharedMount) -> Non
     with sm.fresh(commit=False) as f, open(f / "large", "rb") as fh:
         for i in (0, 1, 4097, count - 1):
             fh.seek(i * block)
-            assert fh.read(block) == i.to_bytes(8, "little") * (block // 8)
+            assert fh.read(block) == content(i)
     os.unlink(m / "large")
 
 

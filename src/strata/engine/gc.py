@@ -629,7 +629,8 @@ def _compact(store: Collectable, journal: Journal, packs: PackStore,
              numbers: set[int]) -> None:
     """Copy the live objects of packs `numbers` forward; the copies take over in the index.
 
-    Frames are copied as they are (their checksums do not cover the pack's marker).
+    Frames are copied as they are (their checksums do not cover the pack's marker),
+    each given the marker of the pack it lands in.
     The old packs stay until a later pass finds them empty. Each pack's records
     are scanned and kept where the index still points at them: the work grows
     with the packs compacted, not with the index.
@@ -639,7 +640,9 @@ def _compact(store: Collectable, journal: Journal, packs: PackStore,
         frame = packs.pread(loc.pack, loc.length, loc.offset)
         if len(frame) != loc.length:
             raise NotFound(f"pack {packfmt.pack_name(loc.pack)} is shorter than its index says")
-        batch.append((oid, loc.kind, frame[packfmt.SYNC_SIZE:]))
+        # Without its marker, which is the pack's own: 16 random bytes, or a version 1
+        # pack's 2-byte "SR" (cutting 16 there once left copies no reader could parse).
+        batch.append((oid, loc.kind, frame[len(packs.info(loc.pack).sync):]))
         if len(batch) >= 256:
             journal.wait_durable(journal.copy_objects(batch))
             batch = []

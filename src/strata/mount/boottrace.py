@@ -289,13 +289,8 @@ class Prefetcher:
     """
 
     def __init__(self, store: Store, root: Entry, cache: ContentCache, entries: list[TraceEntry],
-                 *, workers: int = PREFETCH_WORKERS,
-                 resolve: Callable[[bytes, bool], Entry | None] | None = None) -> None:
-        # `resolve(path, listed)`: the mount's own lookup (SnapshotFS.warm_path), so the
-        # names the step will look up are in the mount's tables already; else the
-        # snapshot's trees are read here, and only the cache is warmed.
+                 *, workers: int = PREFETCH_WORKERS) -> None:
         self.store, self.root, self.cache = store, root, cache
-        self._resolve_hook = resolve
         self.entries = entries
         self.stats = PrefetchStats()
         self._cond = threading.Condition()
@@ -392,12 +387,7 @@ class Prefetcher:
 
     def _resolve_entry(self, entry: TraceEntry) -> list[list[bytes]]:
         """Batches of the entry's blocks not cached yet; tree nodes fetched on the way."""
-        if self._resolve_hook is not None:
-            e = self._resolve_hook(entry.path, entry.kind == K_LIST)
-            if entry.kind == K_LIST:
-                return []
-        else:
-            e = self._resolve(entry.path)
+        e = self._resolve(entry.path)
         if e is None:
             with self._lock:
                 self.stats.skipped += 1
@@ -475,8 +465,7 @@ class ImageBoot:
 
     def __init__(self, store: Store, volume: str, snapshot: str, root: Entry,
                  cache: ContentCache, *, seconds: float = RECORD_SECONDS,
-                 on_event: Callable[[str, dict[str, object]], None] | None = None,
-                 resolve: Callable[[bytes, bool], Entry | None] | None = None) -> None:
+                 on_event: Callable[[str, dict[str, object]], None] | None = None) -> None:
         self.store, self.volume, self.snapshot, self.root = store, volume, snapshot, root
         self.cache = cache
         self.recorder: Recorder | None = Recorder(seconds)
@@ -489,7 +478,6 @@ class ImageBoot:
         self._thread = threading.Thread(target=self._run, name="strata-boot-trace",
                                         daemon=True)
         self.on_event = on_event
-        self.resolve = resolve
 
     def begin(self) -> None:
         self._thread.start()
@@ -509,8 +497,7 @@ class ImageBoot:
             return
         if entries:
             self._stop_recording()
-            self.prefetcher = Prefetcher(self.store, self.root, self.cache, entries,
-                                         resolve=self.resolve).start()
+            self.prefetcher = Prefetcher(self.store, self.root, self.cache, entries).start()
             self._emit("prefetch", {"entries": len(entries)})
             self.prefetcher.wait()
             self._emit("prefetched", self.prefetcher.stats.to_json())

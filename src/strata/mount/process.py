@@ -285,8 +285,7 @@ def _image_boot(state: MountState, store: RemoteStore, fs: SnapshotFS) -> ImageB
         with open(trace_file, "a") as f:
             f.write(json.dumps({"event": what, **detail}) + "\n")
 
-    boot = ImageBoot(store, v.volume, v.pinned, fs.root_of(index), fs.cache, on_event=note,
-                     resolve=fs.warm_path)
+    boot = ImageBoot(store, v.volume, v.pinned, fs.root_of(index), fs.cache, on_event=note)
     assert boot.recorder is not None
     fs.trace(index, boot.recorder)
     boot.begin()

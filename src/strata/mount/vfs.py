@@ -132,23 +132,6 @@ class SnapshotFS:
             ino = self._nodes[ino].parent
         return b"/".join(reversed(parts))
 
-    def warm_path(self, path: bytes, listed: bool = False) -> Entry | None:
-        """Look `path` up in the traced volume as the kernel will, ahead of it (a boot prefetch).
-
-        The nodes made on the way answer the step's own lookups without a
-        thread hop or a tree read; with `listed`, the directory's listing too.
-        None if the volume holds no such path.
-        """
-        ino = self._trace_root
-        try:
-            for name in path.split(b"/") if path else ():
-                ino = self.lookup(ino, name).ino
-            if listed and self._nodes[ino].entry.kind == K_DIR:
-                self.listdir(ino)
-        except FsError:
-            return None
-        return self._nodes[ino].entry
-
     def _recording(self, ino: int) -> Recorder | None:
         rec = self.recorder
         if rec is None or not rec.active or self._vol_of.get(ino) != self._traced:

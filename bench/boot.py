@@ -120,6 +120,8 @@ def first_output(argv: list[str], env: dict[str, str] | None = None,
     rest, err = p.communicate()
     if p.returncode != 0:
         raise RuntimeError(f"{argv[:3]} exited {p.returncode}: {err.strip()[-400:]}")
+    if err.strip():
+        _log(f"{argv[:3]} said on stderr: {err.strip()[-400:]}")
     return elapsed, line.strip(), rest
 
 
@@ -152,7 +154,11 @@ class Host(CliEnv):
             raise RuntimeError(f"the image printed {line!r}")
         self._wait_torn_down()
         after = self.stats()
-        report = json.loads(rest)
+        try:
+            report = json.loads(rest)
+        except ValueError:
+            _log(f"no --json report after the output: {rest[:300]!r}")
+            report = {}
         b0, b1 = before.get("bucket") or {}, after.get("bucket") or {}
         return {"seconds": elapsed,
                 "served": after["bytes_served"] - before["bytes_served"],

@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.stamp
 # s3backer (with ext4 on its block device), rclone mount, and npm for its `npm ci`
 # (npm comes with this machine's nodejs build; Debian's own npm package conflicts with it).
 APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync iproute2 \
-                chromium chromium-driver zstd e2fsprogs nodejs
+                chromium chromium-driver zstd e2fsprogs nodejs iptables
 APT_OPTIONAL := runsc s3fs s3backer rclone mmdebstrap
 
 .PHONY: deps apt-deps lint test demo bench bench-scale bench-fleet day fuzz clean

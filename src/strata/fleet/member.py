@@ -43,6 +43,7 @@ from strata.fleet.lease import (
     LEASE_TTL,
     MEMBER_TTL,
     LeaseKeeper,
+    clock,
     expiry_wait,
 )
 from strata.fleet.records import FleetRecords, Lease, rendezvous, store_url
@@ -101,7 +102,7 @@ class Member:
         self.members: dict[str, Seen] = {}       # name -> heartbeat as seen
         self.leaving = False
         self.done = asyncio.Event()
-        self.started = time.monotonic()
+        self.started = clock()
         self._beat = 0
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -173,7 +174,7 @@ class Member:
                 log.warning("heartbeat failed: %s", exc)
 
     def live_members(self) -> list[str]:
-        now = time.monotonic()
+        now = clock()
         live = [n for n, s in self.members.items()
                 if now - s.since < MEMBER_TTL and not s.body.get("leaving")]
         if not self.leaving and self.name not in live:
@@ -185,12 +186,12 @@ class Member:
         listed = 0.0
         while True:
             try:
-                if time.monotonic() - listed >= CATALOG_EVERY or not self.catalog:
+                if clock() - listed >= CATALOG_EVERY or not self.catalog:
                     self.catalog = await loop.run_in_executor(None, self.records.stores)
                     members = await loop.run_in_executor(None, self.records.members)
                     self._observe_members(members)
-                    listed = time.monotonic()
-                elif time.monotonic() - listed >= HEARTBEAT_EVERY:
+                    listed = clock()
+                elif clock() - listed >= HEARTBEAT_EVERY:
                     pass
                 leases = await asyncio.gather(*[
                     loop.run_in_executor(None, self.records.lease, s) for s in self.catalog])
@@ -204,7 +205,7 @@ class Member:
             await asyncio.sleep(SCAN_EVERY)
 
     def _observe_members(self, members: dict[str, dict[str, Any]]) -> None:
-        now = time.monotonic()
+        now = clock()
         for name, body in members.items():
             seen = self.members.get(name)
             version = body.get("seq")
@@ -218,7 +219,7 @@ class Member:
         seen = self.leases.get(store)
         version = lease.version() if lease is not None else None
         if seen is None or seen.version != version:
-            self.leases[store] = Seen(version, time.monotonic(), lease)
+            self.leases[store] = Seen(version, clock(), lease)
 
     def route(self, store: str) -> Lease | None:
         seen = self.leases.get(store)
@@ -227,7 +228,7 @@ class Member:
     def _decide(self) -> None:
         if self.leaving:
             return
-        now = time.monotonic()
+        now = clock()
         live = self.live_members()
         for store, meta in self.catalog.items():
             if store in self.owned or store in self.claiming:
@@ -261,14 +262,14 @@ class Member:
 
     async def _claim_task(self, store: str, old: Lease | None, meta: dict[str, Any]) -> None:
         loop = asyncio.get_running_loop()
-        t0 = time.monotonic()
+        t0 = clock()
         try:
             sync = str(meta.get("sync", "local"))
             lease = Lease(store=store, holder=self.name, addr=self.addr, state="claiming",
                           epoch=None, seq=(old.seq + 1) if old else 0, ttl=self.ttl,
                           sync=sync)
             try:
-                t_write = time.monotonic()
+                t_write = clock()
                 lease = await loop.run_in_executor(
                     None, self.records.write_lease, lease, old.etag if old else None)
             except AlreadyExists:
@@ -300,7 +301,7 @@ class Member:
                 timeout=aiohttp.ClientTimeout(total=120), auto_decompress=False)
             await loop.run_in_executor(None, owned.keeper.rewrite, self._serving(owned.epoch))
             owned.serving = True
-            owned.claimed_in = time.monotonic() - t0
+            owned.claimed_in = clock() - t0
             self.claims.append({"store": store, "seconds": owned.claimed_in,
                                 "epoch": owned.epoch})
             log.info("store %s: serving, epoch %s, claimed in %.0f ms", store, owned.epoch,
@@ -364,7 +365,7 @@ class Member:
         owned = self.owned.get(store)
         if owned is None or not owned.serving:
             raise AlreadyExists(f"store {store} is not served by {self.name}")
-        t0 = time.monotonic()
+        t0 = clock()
         loop = asyncio.get_running_loop()
         await self._release(owned)  # drains, ships and checkpoints on close
 
@@ -373,7 +374,7 @@ class Member:
         # The store is closed: the lease is ours to hand over even if its window ran out.
         owned.keeper.lost = None
         await loop.run_in_executor(None, owned.keeper.rewrite, change)
-        return {"store": store, "to": to, "released_in": time.monotonic() - t0}
+        return {"store": store, "to": to, "released_in": clock() - t0}
 
     # -- the API front ----------------------------------------------------------------
 
@@ -388,7 +389,7 @@ class Member:
         return web.json_response(self.status())
 
     def status(self) -> dict[str, Any]:
-        now = time.monotonic()
+        now = clock()
         leases = {}
         for store, seen in self.leases.items():
             lease: Lease | None = seen.body
@@ -443,7 +444,7 @@ class Member:
         owned = self.owned.get(store)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         if owned is not None and owned.serving and owned.session is not None \
-                and owned.keeper.lost is None and time.monotonic() < owned.keeper.deadline:
+                and owned.keeper.lost is None and clock() < owned.keeper.deadline:
             try:
                 async with owned.session.request(request.method, "http://owner" + request.path_qs,
                                                  data=body, headers=headers) as resp:
@@ -454,7 +455,7 @@ class Member:
             out.headers["X-Strata-Epoch"] = str(owned.epoch)
             out.headers["X-Strata-Owner"] = self.name
             if out.status == 503 and "Retry-After" not in out.headers \
-                    and (time.monotonic() >= owned.keeper.deadline or not owned.serving):
+                    and (clock() >= owned.keeper.deadline or not owned.serving):
                 out.headers["Retry-After"] = RETRY_AFTER  # the lease gate: try the next owner
             return out
         if "X-Strata-Forwarded" in request.headers:

@@ -133,7 +133,8 @@ class LeaseKeeper:
 
     def renew(self) -> None:
         with self._lock:
-            if self.lost is not None or self.lease.state != "serving":
+            # A claim renews too: a restore slower than the TTL must not look dead.
+            if self.lost is not None or self.lease.state not in ("serving", "claiming"):
                 return
             lease = Lease(**{**self.lease.__dict__})
             lease.seq += 1
@@ -167,7 +168,7 @@ class LeaseKeeper:
                 self.renew()
             except StrataError as exc:  # a damaged record: the window runs out
                 log.warning("store %s: lease renewal: %s", self.lease.store, exc)
-            if self.lost is None and self.lease.state == "serving" \
+            if self.lost is None and self.lease.state in ("serving", "claiming") \
                     and clock() >= self.deadline and "lease" not in BROKEN:
                 self._lose("could not renew in time")
             if self.lost is not None:

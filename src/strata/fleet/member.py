@@ -288,6 +288,9 @@ class Member:
             log.info("store %s: claiming (lease was %s)", store,
                      f"{old.holder}/{old.state}" if old else "absent")
             await loop.run_in_executor(None, self._prepare, path, store, sync)
+            if owned.keeper.lost is not None:  # another member took the claim over meanwhile
+                raise AlreadyExists(f"store {store}: lease lost while claiming "
+                                    f"({owned.keeper.lost})")
             ready = asyncio.Event()
             owned.task = asyncio.ensure_future(self._serve(owned, ready))
             waiter = asyncio.ensure_future(ready.wait())
@@ -310,7 +313,17 @@ class Member:
         except (StrataError, OSError) as exc:
             log.warning("store %s: claim failed: %s", store, exc)
             o = self.owned.get(store)
-            if o is not None:
+            if o is not None and o.task is None:
+                # Never served: give the store back at once (a lease that stops
+                # changing would do it too, a TTL later).
+                del self.owned[store]
+                o.keeper.stop()
+
+                def free(lease: Lease) -> None:
+                    lease.state, lease.target = "free", None
+                with contextlib.suppress(StrataError):
+                    await loop.run_in_executor(None, o.keeper.rewrite, free)
+            elif o is not None:
                 o.stop.set()
         finally:
             self.claiming.discard(store)

@@ -96,9 +96,8 @@ class LeaseKeeper:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop renewing (without waiting: callers run on the member's event loop)."""
         self._stop.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(5)
 
     def gate(self) -> None:
         """Raise `Unavailable` unless this owner may still acknowledge."""

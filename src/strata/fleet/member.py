@@ -198,6 +198,10 @@ class Member:
                     loop.run_in_executor(None, self.records.lease, s) for s in self.catalog])
                 for store, lease in zip(list(self.catalog), leases, strict=True):
                     self._observe_lease(store, lease)
+                for owned in list(self.owned.values()):
+                    why = owned.local.fenced() if owned.local is not None else None
+                    if why is not None:
+                        self._abandon(owned, why)
                 self._decide()
             except StrataError as exc:
                 log.warning("fleet scan failed: %s", exc)
@@ -280,7 +284,7 @@ class Member:
             owned = Owned(store, path, keeper=None)  # type: ignore[arg-type]
 
             def lost(why: str) -> None:
-                loop.call_soon_threadsafe(owned.stop.set)
+                loop.call_soon_threadsafe(self._abandon, owned, why)
 
             owned.keeper = LeaseKeeper(self.records, lease, acquired_at=t_write, on_lost=lost)
             owned.keeper.start()
@@ -366,6 +370,24 @@ class Member:
                 await owned.session.close()
             if self.owned.get(owned.store) is owned:
                 del self.owned[owned.store]
+
+    def _abandon(self, owned: Owned, why: str) -> None:
+        """Give a store up at once: fenced, or its lease lost.
+
+        Its gate refuses from now on, so nothing more is acknowledged; its
+        server stops in the background, however long a drain takes (a publish
+        stuck on a fenced tier). The store may be claimed again meanwhile: a
+        claim restores into a fresh directory, and the old one holds its own
+        lock and socket.
+        """
+        if owned.keeper.lost is None:
+            owned.keeper.lost = why
+            owned.keeper.deadline = 0.0
+        owned.serving = False
+        owned.stop.set()
+        if self.owned.get(owned.store) is owned:
+            del self.owned[owned.store]
+            log.info("store %s: given up (%s)", owned.store, why)
 
     async def _release(self, owned: Owned) -> None:
         owned.serving = False

@@ -77,6 +77,14 @@ def start_fleet(h: FleetHosts, moto: Moto, tmp_path: Path, *, broken: str = "",
         fleet.records.add_store(s, "bucket")
     for s in DEFAULT:
         fleet.records.add_store(s, "local")
+    try:
+        return _start(fleet, h, moto, clocks)
+    except BaseException:
+        fleet.close()  # members started so far must not outlive the test
+        raise
+
+
+def _start(fleet: Fleet, h: FleetHosts, moto: Moto, clocks: str) -> Fleet:
     for name in NAMES:
         prefix = h.exec_prefix(name)
         env = moto.env(f"http://{h.bucket_address[name]}:{moto.port}")

@@ -110,6 +110,10 @@ class LeaseKeeper:
             raise Unavailable(f"store {self.lease.store}: this member's lease could have "
                               "expired; retry at the new owner", retry_after=0.2)
 
+    def valid(self) -> bool:
+        """Whether the gate would let this owner acknowledge now."""
+        return "lease" in BROKEN or (self.lost is None and clock() < self.deadline)
+
     def age(self) -> float:
         return clock() - self.last_renewed
 

@@ -504,7 +504,7 @@ class Member:
         owned = self.owned.get(store)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         if owned is not None and owned.serving and owned.session is not None \
-                and owned.keeper.lost is None and clock() < owned.keeper.deadline:
+                and owned.keeper.valid():
             try:
                 async with owned.session.request(request.method, "http://owner" + request.path_qs,
                                                  data=body, headers=headers) as resp:

@@ -16,7 +16,7 @@ STAMP  := $(VENV)/.stamp
 # The image tests build real images with umoci, skopeo and busybox-static, and a Debian
 # root with mmdebstrap (from the machine's Debian mirror, cached in .pytest_cache).
 APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync iproute2 \
-                chromium chromium-driver zstd e2fsprogs nodejs \
+                chromium chromium-driver zstd e2fsprogs nodejs iptables \
                 umoci skopeo busybox-static mmdebstrap
 APT_OPTIONAL := runsc s3fs s3backer rclone
 

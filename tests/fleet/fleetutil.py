@@ -19,6 +19,7 @@ returned and the owner and epoch that answered. `check` is the checker:
 
 from __future__ import annotations
 
+import bisect
 import os
 import random
 import signal
@@ -263,22 +264,36 @@ def check(fleet: Fleet, history: History, stores: list[str], *, strict: bool = T
             elif files is not None and op.path not in files:
                 bad.append(f"{store}: acknowledged file {op.path} is not in the final tree")
         # Heads move forward: an ack that began after another ended is not behind it.
-        for a in acked:
-            for b in acked:
-                if a.end < b.start and a.head in position and b.head in position \
-                        and position[b.head] < position[a.head]:
-                    bad.append(f"{store}: head went back: {b.path} acknowledged "
-                               f"{b.head} after {a.path} acknowledged {a.head}")
-                    break
         # No overlapping epochs: an older epoch's ack never follows a newer epoch's ack.
-        by_epoch = [o for o in acked if o.epoch is not None]
-        for a in by_epoch:
-            for b in by_epoch:
-                if a.epoch is not None and b.epoch is not None and a.epoch > b.epoch \
-                        and a.end < b.start:
-                    bad.append(f"{store}: epoch {b.epoch} ({b.owner}) acknowledged {b.path} "
-                               f"after epoch {a.epoch} ({a.owner}) acknowledged {a.path}")
-                    break
+        # Both by one pass over the acks sorted by end, keeping the running maximum
+        # (O(n log n): a 100-round history has tens of thousands of acks).
+        by_end = sorted(acked, key=lambda o: o.end)
+        ends = [o.end for o in by_end]
+        best_pos: list[tuple[int, Op | None]] = []
+        best_epoch: list[tuple[int, Op | None]] = []
+        for o in by_end:
+            pos = position.get(o.head or "", -1)
+            prev_p = best_pos[-1] if best_pos else (-1, None)
+            best_pos.append((pos, o) if pos > prev_p[0] else prev_p)
+            ep = o.epoch if o.epoch is not None else -1
+            prev_e = best_epoch[-1] if best_epoch else (-1, None)
+            best_epoch.append((ep, o) if ep > prev_e[0] else prev_e)
+        heads_bad = epochs_bad = 0
+        for b in acked:
+            k = bisect.bisect_left(ends, b.start)  # acks [0, k) ended before b started
+            if k == 0:
+                continue
+            pos, a = best_pos[k - 1]
+            if b.head in position and position[b.head] < pos and a is not None \
+                    and heads_bad < 20:
+                heads_bad += 1
+                bad.append(f"{store}: head went back: {b.path} acknowledged "
+                           f"{b.head} after {a.path} acknowledged {a.head}")
+            ep, a = best_epoch[k - 1]
+            if b.epoch is not None and b.epoch < ep and a is not None and epochs_bad < 20:
+                epochs_bad += 1
+                bad.append(f"{store}: epoch {b.epoch} ({b.owner}) acknowledged {b.path} "
+                           f"after epoch {a.epoch} ({a.owner}) acknowledged {a.path}")
         if not strict:
             pass  # the default sync's window is checked by the caller
     return bad

@@ -19,10 +19,12 @@ shows that the checker fails against it.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,20 +58,54 @@ def hosts_moto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
             moto.stop()
 
 
-def start_fleet(h: FleetHosts, moto: Moto, tmp_path: Path, *, broken: str = "") -> Fleet:
+# Clocks: the rate of each member's monotonic clock (STRATA_TEST_CLOCK_RATE, which
+# scales the clock every lease and liveness span is measured on). "skewed" stays
+# inside the 5 % bound; "beyond" breaks it. Wall-clock offsets are not applied:
+# under faketime (even with the monotonic clock left alone) obstore's HTTP client
+# failed every request after a minute or so, on every member.
+CLOCKS = {
+    "same": {},
+    "skewed": {"a": "0.96", "b": "1.04", "c": "1.0"},
+    "beyond": {"a": "0.5", "b": "1.6", "c": "1.6"},
+}
+
+
+def start_fleet(h: FleetHosts, moto: Moto, tmp_path: Path, *, broken: str = "",
+                clocks: str = "same") -> Fleet:
     fleet = Fleet(f"s3://strata-test/{tmp_path.name}", tmp_path, moto.env(), broken=broken)
     for s in STRICT:
         fleet.records.add_store(s, "bucket")
     for s in DEFAULT:
         fleet.records.add_store(s, "local")
+    try:
+        return _start(fleet, h, moto, clocks)
+    except BaseException:
+        fleet.close()  # members started so far must not outlive the test
+        raise
+
+
+def _start(fleet: Fleet, h: FleetHosts, moto: Moto, clocks: str) -> Fleet:
     for name in NAMES:
-        fleet.add(name, ip=h.address[name], prefix=h.exec_prefix(name),
-                  env=moto.env(f"http://{h.bucket_address[name]}:{moto.port}"))
+        prefix = h.exec_prefix(name)
+        env = moto.env(f"http://{h.bucket_address[name]}:{moto.port}")
+        if name in CLOCKS[clocks]:
+            env["STRATA_TEST_CLOCK_RATE"] = CLOCKS[clocks][name]
+        fleet.add(name, ip=h.address[name], prefix=prefix, env=env)
     for s in STRICT + DEFAULT:
         fleet.owner(s, 60)
         make_volume(fleet, s)
     time.sleep(1.0)  # the default sync's volume is in the bucket (shipped twice a second)
     return fleet
+
+
+def move(fleet: Fleet, store: str, to: str) -> None:
+    lease = fleet.records.lease(store)
+    assert lease is not None
+    req = urllib.request.Request(lease.addr + "/fleet/v1/move",
+                                 data=json.dumps({"store": store, "to": to}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        resp.read()
 
 
 def one_round(fleet: Fleet, h: FleetHosts, rng: random.Random, log: list[str]) -> None:
@@ -96,12 +132,14 @@ def one_round(fleet: Fleet, h: FleetHosts, rng: random.Random, log: list[str]) -
     time.sleep(rng.uniform(0.5, 1.5))
 
 
-def test_fault_rounds(hosts_moto: tuple[FleetHosts, Moto], tmp_path: Path) -> None:
+@pytest.mark.parametrize("clocks", ["same", "skewed"])
+def test_fault_rounds(hosts_moto: tuple[FleetHosts, Moto], tmp_path: Path,
+                      clocks: str) -> None:
     h, moto = hosts_moto
     rounds = int(os.environ.get("FLEET_ROUNDS", "3"))
     seed = int(os.environ.get("FLEET_SEED", str(random.randrange(1 << 30))))
     rng = random.Random(seed)
-    fleet = start_fleet(h, moto, tmp_path)
+    fleet = start_fleet(h, moto, tmp_path, clocks=clocks)
     log: list[str] = []
     try:
         pubs = Publishers(fleet, STRICT + DEFAULT, per_store=2).start()
@@ -110,8 +148,8 @@ def test_fault_rounds(hosts_moto: tuple[FleetHosts, Moto], tmp_path: Path) -> No
         history = pubs.stop()
         bad = check(fleet, history, STRICT, strict=True)
         acked = history.acked()
-        print(f"seed {seed}: {rounds} rounds, {len(history.ops)} publishes, {len(acked)} "
-              f"acknowledged, epochs seen {sorted({o.epoch for o in acked if o.epoch})}")
+        print(f"clocks {clocks}, seed {seed}: {rounds} rounds, {len(history.ops)} publishes, "
+              f"{len(acked)} acknowledged, epochs {sorted({o.epoch for o in acked if o.epoch})}")
         print("\n".join(log))
         assert acked, fleet.logs()
         assert bad == [], "\n".join(bad[:20]) + fleet.logs()
@@ -131,6 +169,9 @@ def test_fault_rounds(hosts_moto: tuple[FleetHosts, Moto], tmp_path: Path) -> No
     # The default sync, its owner cut from the bucket but not from clients: the
     # fence cannot reach it, so the lease window alone keeps it from acknowledging.
     ("s3", "cut_bucket", ""), ("s3", "cut_bucket", "lease"),
+    # The clock assumption is load-bearing: an owner whose clock runs at half speed
+    # and standbys 60 % fast break it, with no code broken.
+    ("s3", "cut_bucket", "clock"),
 ])
 def test_the_checker_fails_against_a_broken_build(hosts_moto: tuple[FleetHosts, Moto],
                                                   tmp_path: Path, store: str, fault: str,
@@ -148,9 +189,14 @@ def test_the_checker_fails_against_a_broken_build(hosts_moto: tuple[FleetHosts, 
     are allowed, so there only the epoch and head rules are asked.
     """
     h, moto = hosts_moto
-    fleet = start_fleet(h, moto, tmp_path, broken=broken)
+    beyond = broken == "clock"
+    fleet = start_fleet(h, moto, tmp_path, broken="" if beyond else broken,
+                        clocks="beyond" if beyond else "same")
     try:
         owner = fleet.owner(store)
+        if beyond and owner != "a":  # the slow clock must be the owner's
+            move(fleet, store, "a")
+            owner = fleet.owner(store, not_=owner)
         old_addr = fleet.members[owner].addr
         pubs = Publishers(fleet, [store], per_store=2).start()
         time.sleep(1.0)
@@ -159,8 +205,8 @@ def test_the_checker_fails_against_a_broken_build(hosts_moto: tuple[FleetHosts, 
         else:
             h.cut_bucket(owner)
         new = fleet.owner(store, 60, not_=owner)
-        time.sleep(1.5)
         if fault == "stop":
+            time.sleep(1.5)
             fleet.resume(owner)
         # Two clients in turn: one on the old owner's host, one on the new owner's.
         only_old = FleetStore([old_addr], store, retry_for=5.0, timeout=5.0)

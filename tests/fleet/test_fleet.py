@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fleetutil import Fleet, Publishers, check, make_volume
 
-from bucketutil import Moto
+from bucketutil import FaultProxy, Moto
 from strata_harness import STRATA
 
 
@@ -80,3 +80,39 @@ def test_the_cli_adds_shows_moves_and_leaves(fleet: Fleet) -> None:
     assert fleet.owner("s1", not_=to) != to
     cat = strata(*via, "cat", "v", "hello.txt")
     assert cat.stdout == b"hi from any member\n", cat.stderr.decode() + fleet.logs()
+
+
+def test_a_flaky_bucket_loses_nothing_acknowledged(moto: Moto, fleet_url: str,
+                                                   tmp_path: Path) -> None:
+    """The members' bucket answers 500 to every 9th request and loses answers to PUTs.
+
+    Lost answers hit log records, lease renewals (If-Match) and claims alike:
+    a write sent again finds its own nonce. One owner is SIGKILLed on the way.
+    """
+    proxy = FaultProxy(int(moto.endpoint.rsplit(":", 1)[1])).start()
+    fleet = Fleet(fleet_url, tmp_path, moto.env(proxy.endpoint))
+    try:
+        fleet.records.add_store("s1", "bucket")
+        for name in ("a", "b", "c"):
+            fleet.add(name)
+        owner = fleet.owner("s1")
+        make_volume(fleet, "s1")
+        pubs = Publishers(fleet, ["s1"], per_store=2).start()
+        proxy.fail_status, proxy.fail_every = 500, 9
+        for i in range(12):
+            proxy.lose_answers += 1
+            time.sleep(0.5)
+            if i == 4:
+                fleet.kill(owner)
+        fleet.owner("s1", 60, not_=owner)
+        time.sleep(2)
+        proxy.fail_status = None
+        history = pubs.stop()
+        acked = history.acked()
+        print(f"{len(history.ops)} publishes, {len(acked)} acknowledged, "
+              f"epochs {sorted({o.epoch for o in acked if o.epoch is not None})}")
+        assert acked
+        assert check(fleet, history, ["s1"]) == [], fleet.logs()
+    finally:
+        fleet.close()
+        proxy.stop()

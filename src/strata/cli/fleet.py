@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from typing import Any
 
 from strata.cli.common import add_key_options, bucket_key, print_json
@@ -68,6 +67,7 @@ def _token() -> str | None:
 
 
 def _post(addr: str, path: str, payload: Any, timeout: float = 60.0) -> Any:
+    import urllib.request  # only when used: it pulls in email, heavy for every --help
     headers = {"Content-Type": "application/json"}
     token = _token()
     if token:

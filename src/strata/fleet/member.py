@@ -25,6 +25,7 @@ lease window (fleet/lease.py) do. This module never prints; the CLI does.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -36,13 +37,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from strata.engine.errors import AlreadyExists, StrataError
+from strata.engine.errors import AlreadyExists, StrataError, Unavailable
 from strata.engine.local import LocalStore
 from strata.fleet.lease import (
     HEARTBEAT_EVERY,
     LEASE_TTL,
     MEMBER_TTL,
     LeaseKeeper,
+    clock,
     expiry_wait,
 )
 from strata.fleet.records import FleetRecords, Lease, rendezvous, store_url
@@ -54,6 +56,7 @@ SCAN_EVERY = 0.2          # seconds between reads of the leases
 CATALOG_EVERY = 2.0       # seconds between LISTs of stores and members
 FORWARD_TIMEOUT = 4.0     # a forward that waits this long for an owner gives up (503)
 RETRY_AFTER = "0.20"
+CLAIM_TIMEOUT = 30.0      # a claim that has not restored and opened by then gives up
 HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
        "content-encoding"}
 
@@ -101,10 +104,14 @@ class Member:
         self.members: dict[str, Seen] = {}       # name -> heartbeat as seen
         self.leaving = False
         self.done = asyncio.Event()
-        self.started = time.monotonic()
+        self.started = clock()
         self._beat = 0
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        # The member's own blocking work (bucket records, restores) never queues behind
+        # the default executor, where a store's server drains: a drain stuck on a
+        # fenced store must not starve the next claim (seen in a 100-round run).
+        self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="strata-fleet")
         self.claims: list[dict[str, Any]] = []   # for status: how long each claim took
 
     # -- running ----------------------------------------------------------------------
@@ -112,7 +119,7 @@ class Member:
     async def run(self) -> None:
         os.makedirs(os.path.join(self.dir, "stores"), exist_ok=True)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.records.bucket.check_conditional)
+        await loop.run_in_executor(self._pool, self.records.bucket.check_conditional)
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT),
             connector=aiohttp.TCPConnector(limit=256), auto_decompress=False)
@@ -120,6 +127,7 @@ class Member:
         app.router.add_get("/fleet/v1/status", self._status)
         app.router.add_post("/fleet/v1/move", self._move)
         app.router.add_post("/fleet/v1/leave", self._leave)
+        app.router.add_post("/fleet/v1/claim", self._claim_now)
         app.router.add_route("*", "/{tail:.*}", self._route)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
@@ -173,7 +181,7 @@ class Member:
                 log.warning("heartbeat failed: %s", exc)
 
     def live_members(self) -> list[str]:
-        now = time.monotonic()
+        now = clock()
         live = [n for n, s in self.members.items()
                 if now - s.since < MEMBER_TTL and not s.body.get("leaving")]
         if not self.leaving and self.name not in live:
@@ -185,17 +193,21 @@ class Member:
         listed = 0.0
         while True:
             try:
-                if time.monotonic() - listed >= CATALOG_EVERY or not self.catalog:
-                    self.catalog = await loop.run_in_executor(None, self.records.stores)
-                    members = await loop.run_in_executor(None, self.records.members)
+                if clock() - listed >= CATALOG_EVERY or not self.catalog:
+                    self.catalog = await loop.run_in_executor(self._pool, self.records.stores)
+                    members = await loop.run_in_executor(self._pool, self.records.members)
                     self._observe_members(members)
-                    listed = time.monotonic()
-                elif time.monotonic() - listed >= HEARTBEAT_EVERY:
+                    listed = clock()
+                elif clock() - listed >= HEARTBEAT_EVERY:
                     pass
                 leases = await asyncio.gather(*[
-                    loop.run_in_executor(None, self.records.lease, s) for s in self.catalog])
+                    loop.run_in_executor(self._pool, self.records.lease, s) for s in self.catalog])
                 for store, lease in zip(list(self.catalog), leases, strict=True):
                     self._observe_lease(store, lease)
+                for owned in list(self.owned.values()):
+                    why = owned.local.fenced() if owned.local is not None else None
+                    if why is not None:
+                        self._abandon(owned, why)
                 self._decide()
             except StrataError as exc:
                 log.warning("fleet scan failed: %s", exc)
@@ -204,7 +216,7 @@ class Member:
             await asyncio.sleep(SCAN_EVERY)
 
     def _observe_members(self, members: dict[str, dict[str, Any]]) -> None:
-        now = time.monotonic()
+        now = clock()
         for name, body in members.items():
             seen = self.members.get(name)
             version = body.get("seq")
@@ -218,7 +230,7 @@ class Member:
         seen = self.leases.get(store)
         version = lease.version() if lease is not None else None
         if seen is None or seen.version != version:
-            self.leases[store] = Seen(version, time.monotonic(), lease)
+            self.leases[store] = Seen(version, clock(), lease)
 
     def route(self, store: str) -> Lease | None:
         seen = self.leases.get(store)
@@ -227,7 +239,7 @@ class Member:
     def _decide(self) -> None:
         if self.leaving:
             return
-        now = time.monotonic()
+        now = clock()
         live = self.live_members()
         for store, meta in self.catalog.items():
             if store in self.owned or store in self.claiming:
@@ -261,14 +273,14 @@ class Member:
 
     async def _claim_task(self, store: str, old: Lease | None, meta: dict[str, Any]) -> None:
         loop = asyncio.get_running_loop()
-        t0 = time.monotonic()
+        t0 = clock()
         try:
             sync = str(meta.get("sync", "local"))
             lease = Lease(store=store, holder=self.name, addr=self.addr, state="claiming",
                           epoch=None, seq=(old.seq + 1) if old else 0, ttl=self.ttl,
                           sync=sync)
             try:
-                t_write = time.monotonic()
+                t_write = clock()
                 lease = await loop.run_in_executor(
                     None, self.records.write_lease, lease, old.etag if old else None)
             except AlreadyExists:
@@ -278,29 +290,39 @@ class Member:
             owned = Owned(store, path, keeper=None)  # type: ignore[arg-type]
 
             def lost(why: str) -> None:
-                loop.call_soon_threadsafe(owned.stop.set)
+                loop.call_soon_threadsafe(self._abandon, owned, why)
 
             owned.keeper = LeaseKeeper(self.records, lease, acquired_at=t_write, on_lost=lost)
             owned.keeper.start()
             self.owned[store] = owned
             log.info("store %s: claiming (lease was %s)", store,
                      f"{old.holder}/{old.state}" if old else "absent")
-            await loop.run_in_executor(None, self._prepare, path, store, sync)
+            try:
+                await asyncio.wait_for(loop.run_in_executor(self._pool, self._prepare, path,
+                                                            store, sync), CLAIM_TIMEOUT)
+            except TimeoutError:
+                raise Unavailable(f"store {store}: restore took over {CLAIM_TIMEOUT:g} s") \
+                    from None
+            if owned.keeper.lost is not None:  # another member took the claim over meanwhile
+                raise AlreadyExists(f"store {store}: lease lost while claiming "
+                                    f"({owned.keeper.lost})")
             ready = asyncio.Event()
             owned.task = asyncio.ensure_future(self._serve(owned, ready))
             waiter = asyncio.ensure_future(ready.wait())
-            await asyncio.wait([owned.task, waiter], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([owned.task, waiter], return_when=asyncio.FIRST_COMPLETED,
+                               timeout=CLAIM_TIMEOUT)
             if not ready.is_set():
                 waiter.cancel()
+                self._abandon(owned, "the store did not open in time")
                 return
             rep = owned.local.tier_report() if owned.local is not None else None
             owned.epoch = int(rep["epoch"]) if rep and rep.get("epoch") is not None else None
             owned.session = aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(path=default_socket(path)),
                 timeout=aiohttp.ClientTimeout(total=120), auto_decompress=False)
-            await loop.run_in_executor(None, owned.keeper.rewrite, self._serving(owned.epoch))
+            await loop.run_in_executor(self._pool, owned.keeper.rewrite, self._serving(owned.epoch))
             owned.serving = True
-            owned.claimed_in = time.monotonic() - t0
+            owned.claimed_in = clock() - t0
             self.claims.append({"store": store, "seconds": owned.claimed_in,
                                 "epoch": owned.epoch})
             log.info("store %s: serving, epoch %s, claimed in %.0f ms", store, owned.epoch,
@@ -308,7 +330,17 @@ class Member:
         except (StrataError, OSError) as exc:
             log.warning("store %s: claim failed: %s", store, exc)
             o = self.owned.get(store)
-            if o is not None:
+            if o is not None and o.task is None:
+                # Never served: give the store back at once (a lease that stops
+                # changing would do it too, a TTL later).
+                del self.owned[store]
+                o.keeper.stop()
+
+                def free(lease: Lease) -> None:
+                    lease.state, lease.target = "free", None
+                with contextlib.suppress(StrataError):
+                    await loop.run_in_executor(self._pool, o.keeper.rewrite, free)
+            elif o is not None:
                 o.stop.set()
         finally:
             self.claiming.discard(store)
@@ -352,6 +384,24 @@ class Member:
             if self.owned.get(owned.store) is owned:
                 del self.owned[owned.store]
 
+    def _abandon(self, owned: Owned, why: str) -> None:
+        """Give a store up at once: fenced, or its lease lost.
+
+        Its gate refuses from now on, so nothing more is acknowledged; its
+        server stops in the background, however long a drain takes (a publish
+        stuck on a fenced tier). The store may be claimed again meanwhile: a
+        claim restores into a fresh directory, and the old one holds its own
+        lock and socket.
+        """
+        if owned.keeper.lost is None:
+            owned.keeper.lost = why
+            owned.keeper.deadline = 0.0
+        owned.serving = False
+        owned.stop.set()
+        if self.owned.get(owned.store) is owned:
+            del self.owned[owned.store]
+            log.info("store %s: given up (%s)", owned.store, why)
+
     async def _release(self, owned: Owned) -> None:
         owned.serving = False
         owned.stop.set()
@@ -364,7 +414,7 @@ class Member:
         owned = self.owned.get(store)
         if owned is None or not owned.serving:
             raise AlreadyExists(f"store {store} is not served by {self.name}")
-        t0 = time.monotonic()
+        t0 = clock()
         loop = asyncio.get_running_loop()
         await self._release(owned)  # drains, ships and checkpoints on close
 
@@ -372,8 +422,32 @@ class Member:
             lease.state, lease.target = ("handoff", to) if to else ("free", None)
         # The store is closed: the lease is ours to hand over even if its window ran out.
         owned.keeper.lost = None
-        await loop.run_in_executor(None, owned.keeper.rewrite, change)
-        return {"store": store, "to": to, "released_in": time.monotonic() - t0}
+        await loop.run_in_executor(self._pool, owned.keeper.rewrite, change)
+        released = clock() - t0
+        seen = self.members.get(to) if to else None
+        if seen is not None and self._session is not None:
+            # Tell the target at once rather than wait for its next scan (it would
+            # find the handoff there too, so a lost nudge only costs a scan).
+            headers = {"X-Strata-Fleet-Token": self.token} if self.token else {}
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with self._session.post(str(seen.body.get("addr")) + "/fleet/v1/claim",
+                                              json={"store": store}, headers=headers) as r:
+                    await r.read()
+        return {"store": store, "to": to, "released_in": released}
+
+    async def _claim_now(self, request: web.Request) -> web.Response:
+        """A handoff to this member: claim without waiting for the next scan."""
+        if not self._authorized(request):
+            return self._forbidden()
+        store = str((await request.json()).get("store"))
+        lease = await asyncio.get_running_loop().run_in_executor(self._pool, self.records.lease,
+                                                                 store)
+        if lease is not None and lease.state == "handoff" and lease.target == self.name \
+                and store not in self.owned and store not in self.claiming:
+            self._observe_lease(store, lease)
+            self._claim(store, lease, self.catalog.get(store) or {"sync": lease.sync})
+            return web.json_response({"claiming": store}, status=202)
+        return web.json_response({"claiming": None})
 
     # -- the API front ----------------------------------------------------------------
 
@@ -388,7 +462,7 @@ class Member:
         return web.json_response(self.status())
 
     def status(self) -> dict[str, Any]:
-        now = time.monotonic()
+        now = clock()
         leases = {}
         for store, seen in self.leases.items():
             lease: Lease | None = seen.body
@@ -421,14 +495,14 @@ class Member:
         """Hand every owned store to the next member in its order, then stop."""
         self.leaving = True
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.records.heartbeat, self.name, self.addr,
+        await loop.run_in_executor(self._pool, self.records.heartbeat, self.name, self.addr,
                                    self._beat + 1, self._info())
         moved = []
         for store in list(self.owned):
             order = rendezvous(store, [m for m in self.live_members() if m != self.name])
             with contextlib.suppress(AlreadyExists):
                 moved.append(await self.handoff(store, order[0] if order else None))
-        await loop.run_in_executor(None, self.records.forget_member, self.name)
+        await loop.run_in_executor(self._pool, self.records.forget_member, self.name)
         return moved
 
     async def _route(self, request: web.Request) -> web.StreamResponse:
@@ -443,7 +517,7 @@ class Member:
         owned = self.owned.get(store)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         if owned is not None and owned.serving and owned.session is not None \
-                and owned.keeper.lost is None and time.monotonic() < owned.keeper.deadline:
+                and owned.keeper.valid():
             try:
                 async with owned.session.request(request.method, "http://owner" + request.path_qs,
                                                  data=body, headers=headers) as resp:
@@ -454,7 +528,7 @@ class Member:
             out.headers["X-Strata-Epoch"] = str(owned.epoch)
             out.headers["X-Strata-Owner"] = self.name
             if out.status == 503 and "Retry-After" not in out.headers \
-                    and (time.monotonic() >= owned.keeper.deadline or not owned.serving):
+                    and (clock() >= owned.keeper.deadline or not owned.serving):
                 out.headers["Retry-After"] = RETRY_AFTER  # the lease gate: try the next owner
             return out
         if "X-Strata-Forwarded" in request.headers:

@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 
 from strata.engine import gc as gcmod
-from strata.engine import scratch
+from strata.engine import reach, scratch
 from strata.engine.local import LocalStore, init_store
+from strata.engine.objects import BLOCK, SNAPSHOT, references
 from strata.engine.txn import Transaction
 
 SMALL, LARGE = 4_000, 20_000  # files: a block and a file node each, so ~8k and ~40k objects
@@ -139,3 +140,25 @@ def _resident(path: str) -> int:
             elif ours and head[0] == "Rss:":
                 total += int(head[1]) * 1024
     return total
+
+
+def test_reach_walk_marks_every_object_in_batches(stores: dict[int, Path],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A volume's reach is marked in many small transactions, and all of it is marked."""
+    monkeypatch.setattr(reach, "MARK_BATCH", 256)
+    with LocalStore(str(stores[LARGE])) as s:
+        s.sync_index()
+        head = bytes.fromhex(next(iter(s.list_branches("v").values())))
+        under: set[bytes] = set()  # what the head's tree reaches, walked here in memory
+        todo = [(SNAPSHOT, head)]
+        while todo:
+            kind, oid = todo.pop()
+            if oid not in under:
+                under.add(oid)
+                if kind != BLOCK:
+                    todo.extend((k, o) for k, o in references(kind, s.get_object(oid))
+                                if k != SNAPSHOT)
+        assert len(under) > 35_000
+        assert all(s.reachable("v", sorted(under)))
+        stranger = [bytes(32)]
+        assert s.reachable("v", stranger) == [False]

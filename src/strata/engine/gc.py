@@ -720,16 +720,21 @@ def _compact(store: Collectable, journal: Journal, packs: PackStore,
 
 def _indexed_in(store: Collectable, packs: PackStore, numbers: list[int]
                 ) -> Iterator[tuple[bytes, Loc]]:
-    """The objects of packs `numbers` whose index entry points at that very frame."""
+    """The objects of packs `numbers` whose index entry points at that very frame.
+
+    Each pack is scanned a record at a time (its mapped pages handed back as the
+    scan goes), not read into a list of its records.
+    """
     for n in numbers:
         with packs.mapped(n) as data:
-            result = packfmt.scan_buffer(data, packfmt.pack_name(n))
-        heads = [(packfmt.OBJ_HEAD.unpack_from(r.payload), r.offset)
-                 for r in result.records if r.rtype == packfmt.R_OBJECT]
-        for (_kind, oid, _n), offset in heads:
-            loc = store.index.locate(oid)
-            if loc is not None and loc.pack == n and loc.offset == offset:
-                yield oid, loc
+            _result, records = packfmt.scan_stream(data, packfmt.pack_name(n))
+            for r in records:
+                if r.rtype != packfmt.R_OBJECT:
+                    continue
+                _kind, oid, _n = packfmt.OBJ_HEAD.unpack_from(r.payload)
+                loc = store.index.locate(oid)
+                if loc is not None and loc.pack == n and loc.offset == r.offset:
+                    yield oid, loc
 
 
 class _Inexact(Exception):

@@ -255,32 +255,57 @@ class Index:
             "policies": [[bytes(k), bytes(x)] for k, x in txn.cursor(db=self.policies)],
         }
 
-    def checkpoint_view(self, take_all: Callable[[Iterator[tuple[bytes, Loc]]], None] | None
-                        ) -> tuple[list[tuple[bytes, Loc | None, bytes]], dict[str, Any]]:
+    def checkpoint_view(self, take_changes: Callable[[Iterator[tuple[bytes, Loc | None]]], None]
+                        | None,
+                        take_all: Callable[[Iterator[tuple[bytes, Loc]]], None] | None
+                        ) -> tuple[bytes, int, dict[str, Any]]:
         """Every table at one instant, with what changed since meta `cp-base`.
 
-        Returns the changes (id, location or None if dropped, change counter)
-        and the tables (applied position, volumes, refs, leases, expired,
-        policies); `take_all`, if given, consumes the whole object index in
-        the same transaction.
+        `take_changes`, if given, consumes the changes in id order (id, location
+        or None if dropped) and `take_all` the whole object index, both in the
+        same transaction: nothing is held per entry here. Returns the change
+        counter as of that instant (for `checkpoint_done`), how many changes
+        there were, and the tables (applied position, volumes, refs, leases,
+        expired, policies).
         """
         with self.env.begin() as txn:
-            changes: list[tuple[bytes, Loc | None, bytes]] = []
-            for k, mark in txn.cursor(db=self.changed):
-                v = txn.get(k, db=self.objects)
-                changes.append((bytes(k), _loc(LOC.unpack(v)) if v is not None else None,
-                                bytes(mark)))
+            seq = bytes(txn.get(b"change-seq", db=self.meta) or _CHANGE.pack(0))
+            count = int(txn.stat(self.changed)["entries"])
+            if take_changes is not None:
+                def changes() -> Iterator[tuple[bytes, Loc | None]]:
+                    for i, k in enumerate(txn.cursor(db=self.changed).iternext(values=False)):
+                        if i and not i % RELEASE_EVERY:
+                            self.release_pages()
+                        v = txn.get(k, db=self.objects)
+                        yield bytes(k), _loc(LOC.unpack(v)) if v is not None else None
+                take_changes(changes())
             tables = self._tables(txn)
             if take_all is not None:
-                take_all((bytes(k), _loc(LOC.unpack(v))) for k, v in txn.cursor(db=self.objects))
-        return changes, tables
+                def everything() -> Iterator[tuple[bytes, Loc]]:
+                    for i, (k, v) in enumerate(txn.cursor(db=self.objects)):
+                        if i and not i % RELEASE_EVERY:
+                            self.release_pages()
+                        yield bytes(k), _loc(LOC.unpack(v))
+                take_all(everything())
+        self.release_pages()
+        return seq, count, tables
 
-    def checkpoint_done(self, taken: Iterable[tuple[bytes, bytes]], base: str) -> None:
-        """Checkpoint `base` holds `taken` (id, counter): forget each unless changed since."""
+    def checkpoint_done(self, seq: bytes, base: str) -> None:
+        """Checkpoint `base` holds every change up to counter `seq`: forget those.
+
+        An entry changed again since has a higher counter and stays. One pass
+        over the `changed` table, nothing held per entry.
+        """
+        upto = _CHANGE.unpack(seq)[0]
         with self.env.begin(write=True, db=self.changed) as txn:
-            for oid, mark in taken:
-                if txn.get(oid) == mark:
-                    txn.delete(oid)
+            cur = txn.cursor()
+            more = cur.first()
+            while more:
+                if _CHANGE.unpack(cur.value())[0] <= upto:
+                    cur.delete()  # and moves to the next entry (none: an empty key)
+                    more = bool(cur.key())
+                else:
+                    more = cur.next()
             txn.put(b"cp-base", base.encode(), db=self.meta)
 
     def set_checkpoint_base(self, base: str) -> None:
@@ -310,8 +335,11 @@ class Index:
         """Entries fetched from a checkpoint's index run (older than `applied`)."""
         with self.env.begin(write=True, db=self.objects) as txn:
             txn.delete(COUNTED, db=self.meta)  # not counted: GC marks in full from now on
+            n = 0
             for oid, loc in entries:
                 txn.put(oid, LOC.pack(*loc), overwrite=False)
+                n += 1
+        self.touched(n)
 
     def apply(self, objects: list[tuple[bytes, Loc]],
               ops: list[list[Any]], applied: tuple[int, int],

@@ -108,10 +108,13 @@ class Checkpoints(TierState):
                 pass
         written: list[Part] = []
 
-        def take_all(entries: Iterator[tuple[bytes, Loc]]) -> None:
-            written.extend(self._write_run(((k, v) for k, v in entries), 0, stamp))
+        def take(entries: Iterator[tuple[bytes, Loc | None]]) -> None:
+            written.extend(self._write_run(entries, 0, stamp))
 
-        changes, tables = self._index.checkpoint_view(take_all if full else None)
+        # The run is written as the index is read, a part at a time: nothing is held
+        # per entry (docs/design.md, "Memory through a pass").
+        seq, changed, tables = self._index.checkpoint_view(None if full else take,
+                                                           take if full else None)
         # Everything up to `applied` was written before this point: ship it first.
         self.ship()
         with self._lock:
@@ -121,10 +124,7 @@ class Checkpoints(TierState):
             self._cp_taken += 1  # this checkpoint's view of the packs, numbered
             taken = self._cp_taken
         old = list(self._manifest)
-        if full:
-            parts = written
-        else:
-            parts = self._write_run(((oid, loc) for oid, loc, _m in changes), 0, stamp) + old
+        parts = written if full else written + old
         if self.index_complete():
             parts = self._merge(parts, stamp)
         log_from = min(unsent) if unsent else (self.log.next or 0)
@@ -151,7 +151,7 @@ class Checkpoints(TierState):
                            name, exc, exc_info=True)
                 self.failed = exc
                 raise
-        self._index.checkpoint_done(((oid, m) for oid, _l, m in changes), name)
+        self._index.checkpoint_done(seq, name)
         # What only earlier checkpoints name goes once this one is in the log.
         keep = {p.name for p in parts} | {n for n, _h in tables_ref.values()}
         # Earlier runs it merged, and runs this checkpoint wrote then merged again.
@@ -179,7 +179,7 @@ class Checkpoints(TierState):
         self.stats["index_parts"] = len(parts)
         self.stats["last_checkpoint"] = time.time()
         _log.info("checkpoint %s: applied %s, %d change(s)%s, %d run(s), %d pack(s) in the "
-                  "bucket, log from %d", name, tuple(tables["applied"]), len(changes),
+                  "bucket, log from %d", name, tuple(tables["applied"]), changed,
                   " (the whole index)" if full else "", len(runs_of(parts)), len(remote),
                   log_from)
         return name

@@ -28,7 +28,7 @@ from strata.engine.checkpoint import (
     Checkpoint,
     Part,
     PartReader,
-    encode_part,
+    PartWriter,
     encode_table,
     merged,
     packs_rows,
@@ -189,25 +189,27 @@ class Checkpoints(TierState):
         """Upload sorted `entries` as a new run's parts (none if there are no entries)."""
         run = self._next_run  # above every run of the manifest (tierstate.py)
         parts: list[Part] = []
-        batch: list[tuple[bytes, Loc | None]] = []
 
-        def put() -> None:
-            data, fences, at = encode_part(batch)
+        def put(writer: PartWriter) -> None:
+            count, first = writer.entries, writer.first or b""
+            data, fences, at = writer.finish()
             name = f"runs/{stamp}-{run}-{len(parts)}"
             self.bucket.put_new(name, data)
             self._written_bytes[name] = len(data)
             inline = len(fences) <= 32 * INLINE_FENCES
-            parts.append(Part(name, run, level, len(batch), batch[0][0],
+            parts.append(Part(name, run, level, count, first,
                               fences if inline else b"", at,
                               blake3.blake3(fences).digest()))
-            batch.clear()
 
-        for entry in entries:
-            batch.append(entry)
-            if len(batch) >= PART_ENTRIES:
-                put()
-        if batch:
-            put()
+        # Encoded as they come: a part's bytes are held, never its entries.
+        writer = PartWriter()
+        for oid, loc in entries:
+            writer.add(oid, loc)
+            if writer.entries >= PART_ENTRIES:
+                put(writer)
+                writer = PartWriter()
+        if writer.entries:
+            put(writer)
         if parts:
             self._next_run = run + 1
         return parts

@@ -299,7 +299,7 @@ def scan_buffer(data: Buffer, name: str, start: int | None = None) -> ScanResult
     return result
 
 
-RELEASE_BYTES = 64 << 20  # a streamed scan hands back the mapped pages behind it this often
+RELEASE_BYTES = 16 << 20  # a streamed scan hands back the mapped pages behind it this often
 
 
 def scan_stream(data: Buffer, name: str, start: int | None = None

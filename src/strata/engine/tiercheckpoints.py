@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import blake3
@@ -63,10 +64,11 @@ class Checkpoints(TierState):
         try:
             size = self.local.size(number)
             with self.local.mapped(number) as data:
-                body = bytes(data)
+                # Sealed and handed over a chunk at a time, the mapped pages behind
+                # released as it goes: the pack is never copied whole here.
+                self.bucket.put_new_from(name, size, _reader(data))
         except FileNotFoundError:
             return  # garbage collection removed it meanwhile: nothing to keep
-        self.bucket.put_new(name, body)
         if self.bucket.size(name) != self.bucket.stored_size(size):
             raise BucketUnavailable(f"bucket copy of {name} has the wrong size; "
                                     "uploading it again")
@@ -276,3 +278,17 @@ class Checkpoints(TierState):
                              exc_info=True)
                 with self._lock:
                     self._doomed.append((name, -1))  # again next time
+
+
+def _reader(data: Any) -> Callable[[int, int], bytes]:
+    """Reads of a mapped pack in order, handing back the pages behind them every 16 MiB."""
+    released = [0]
+
+    def read(at: int, size: int) -> bytes:
+        piece = bytes(data[at:at + size])
+        if isinstance(data, mmap.mmap) and at - released[0] >= 16 << 20:
+            upto = at // mmap.PAGESIZE * mmap.PAGESIZE
+            data.madvise(mmap.MADV_DONTNEED, 0, upto)
+            released[0] = upto
+        return piece
+    return read

@@ -14,6 +14,7 @@ from strata.cli.common import (
     open_store,
     parse_size,
     print_json,
+    progress_bar,
     show_path,
     store_path,
 )
@@ -171,12 +172,16 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     with open_store(args) as store:
         if isinstance(store, LocalStore):
             rebuilt = store.rebuild_index() if args.rebuild_index else None
-            report = store.fsck()
+            with progress_bar("fsck") as progress:  # STRATA_IN_PROCESS=1: how far it got
+                report = store.fsck(progress)
             if rebuilt is not None:
                 report["rebuilt"] = rebuilt
         else:
             assert isinstance(store, RemoteStore)
-            report = store.admin("POST", "fsck", {"rebuild_index": bool(args.rebuild_index)})
+            # The server logs its phases; the bar shows only that it goes on.
+            with progress_bar("fsck (in the server)"):
+                report = store.admin("POST", "fsck",
+                                     {"rebuild_index": bool(args.rebuild_index)})
         rebuilt = report.get("rebuilt")
         recovery = report.get("recovery") or {}
     if args.json:

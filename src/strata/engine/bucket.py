@@ -32,7 +32,7 @@ import concurrent.futures
 import os
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -76,6 +76,7 @@ LOG_DIGITS = 20
 RECORD_MAGIC = b"STRL"
 RECORD_VERSION = 1
 HINT = "log-hint"
+PUT_PIECE = 4 << 20  # an unsealed object is handed to the client in pieces of this size
 HEADERS_KEPT = 4096  # headers of sealed objects kept for ranged reads (36 bytes each)
 # A test-only way to build a broken strata (tests/fleet): "fence" lets an owner write
 # past a successor's claim instead of stopping. Never set it anywhere else.
@@ -145,6 +146,25 @@ class Bucket:
         try:
             obstore.put(self._store, name, data, mode="create")
         except _TAKEN:  # some backends answer 412 for If-None-Match, others 409
+            raise AlreadyExists(f"bucket object {name} already exists") from None
+        except _FAILED as exc:
+            raise BucketUnavailable(f"bucket write of {name} failed: {why(exc)}") from None
+
+    def put_new_from(self, name: str, length: int,
+                     read: Callable[[int, int], bytes | memoryview]) -> None:
+        """`put_new` of `length` bytes that `read(offset, size)` gives a piece at a time.
+
+        Sealed (with a key) a chunk at a time, so a pack is not copied whole on
+        this side; the client still gathers the request body (a create-only put
+        is one request).
+        """
+        if self.key is not None:
+            pieces: Iterator[bytes | memoryview] = self.key.seal_chunks(name, length, read)
+        else:
+            pieces = (read(at, min(PUT_PIECE, length - at)) for at in range(0, length, PUT_PIECE))
+        try:
+            obstore.put(self._store, name, pieces, mode="create")
+        except _TAKEN:
             raise AlreadyExists(f"bucket object {name} already exists") from None
         except _FAILED as exc:
             raise BucketUnavailable(f"bucket write of {name} failed: {why(exc)}") from None

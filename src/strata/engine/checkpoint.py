@@ -14,7 +14,7 @@ since the one before: objects indexed, moved or dropped (a tombstone). Runs
 are merged in the background, tiered: when `FANOUT` runs share a level they
 become one run of the next level, so an entry is rewritten about once per
 level, log_FANOUT(objects / change) times in all. A run is cut into parts of
-at most `PART_ENTRIES` entries, so a merge holds one part in memory, not a
+at most `PART_ENTRIES` entries, so a merge holds one part's bytes in memory, not a
 run. The packs table and the expired snapshots are objects of their own,
 written only when they change. So the bytes a checkpoint writes grow with the
 change, not with the store.
@@ -212,17 +212,48 @@ Entry = tuple[bytes, Loc | None]  # None: a tombstone
 
 def encode_part(entries: list[Entry]) -> tuple[bytes, bytes, int]:
     """A version 2 part from entries sorted by id: (bytes, fence table, fences' offset)."""
-    out = bytearray(RUN_MAGIC + bytes([RUN_VERSION]))
-    fences = bytearray()
-    for first in range(0, len(entries), BLOCK_ENTRIES):
-        block = bytearray()
-        for oid, loc in entries[first:first + BLOCK_ENTRIES]:
-            block += ENTRY.pack(oid, *(loc if loc is not None else (0, 0, 0, TOMBSTONE)))
-        fences += entries[first][0]
-        out += block + blake3.blake3(block).digest()
-    at = len(out)
-    out += fences + blake3.blake3(fences).digest()
-    return bytes(out), bytes(fences), at
+    writer = PartWriter()
+    for oid, loc in entries:
+        writer.add(oid, loc)
+    return writer.finish()
+
+
+class PartWriter:
+    """A version 2 part encoded as its entries come (sorted by id).
+
+    It holds the part's bytes (49 bytes an entry: 12.6 MB for `PART_ENTRIES`),
+    never the entries themselves, which as Python objects take four times that.
+    """
+
+    def __init__(self) -> None:
+        self._out = bytearray(RUN_MAGIC + bytes([RUN_VERSION]))
+        self._fences = bytearray()
+        self._block = bytearray()
+        self.entries = 0
+        self.first: bytes | None = None  # the part's first id
+
+    def add(self, oid: bytes, loc: Loc | None) -> None:
+        if self.entries % BLOCK_ENTRIES == 0:
+            self._end_block()
+            self._fences += oid
+            if self.first is None:
+                self.first = oid
+        self._block += ENTRY.pack(oid, *(loc if loc is not None else (0, 0, 0, TOMBSTONE)))
+        self.entries += 1
+
+    def _end_block(self) -> None:
+        if self._block:
+            self._out += self._block
+            self._out += blake3.blake3(self._block).digest()
+            self._block = bytearray()
+
+    def finish(self) -> tuple[bytes, bytes, int]:
+        """(the part's bytes, its fence table, the fences' offset)."""
+        self._end_block()
+        at = len(self._out)
+        self._out += self._fences
+        self._out += blake3.blake3(self._fences).digest()
+        return bytes(self._out), bytes(self._fences), at
 
 
 class PartReader:

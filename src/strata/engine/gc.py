@@ -48,12 +48,13 @@ from typing import Any, Protocol
 
 from strata.engine import pack as packfmt
 from strata.engine.errors import InvalidInput, NotFound, Unavailable
-from strata.engine.index import Index, Loc
+from strata.engine.index import COUNT, LOC, Index, Loc, _loc
 from strata.engine.interface import Lease, SnapshotInfo
 from strata.engine.journal import Journal
 from strata.engine.objects import BLOCK, FILENODE, SNAPSHOT, TREE, references
 from strata.engine.packstore import PackStore
 from strata.engine.refs import Refs
+from strata.engine.scratch import Scratch
 from strata.engine.storedir import write_durably
 
 DEFAULT_MIN_AGE = 300.0       # seconds an object stays unreachable before it is deleted
@@ -66,6 +67,7 @@ ALL_TOKEN_PINS = 50_000    # every token's together: never the owner's share
 GcProgress = Callable[[int, int, str], None]
 PHASES = ("expiring branches", "marking", "sweeping", "compacting")
 UPLOAD_PIN = 600.0             # objects uploaded or found present stay this long unpublished
+SWEEP_BATCH = 4_096            # unreachable objects decided and dropped per index transaction
 COMPACT_BELOW = 0.5            # a sealed pack under this fraction live is compacted
 POLICIES = "policies.json"     # where policies lived before the journal held them
 POLICY_FIELDS = ("keep_last", "keep_newer", "expire_runs")
@@ -368,6 +370,7 @@ class Collectable(Protocol):
 
     gc_lock: threading.Lock
     gate: Gate
+    path: str  # the store directory: a full mark keeps its set in its scratch/
     pins: Pins
     policies: Policies
 
@@ -445,92 +448,70 @@ def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report
     skip = set(report.branches_expired) if dry_run else set()
     counted = store.index.counted()
     report.mode = "incremental" if counted and not full else "full"
-    live: set[bytes] = set()
-    roots: set[bytes] = set()
-    if report.mode == "full":
-        roots = _roots(store, now, report, skip=skip)
-        _mark(store, roots, live)
-        report.snapshots_retained = len(roots)
-    progress(2, len(PHASES), PHASES[2])
-    young_pins = store.upload_pins()
-    # Pins an earlier owner granted are not known here: wait them out. Without any
-    # (a clean close with none held), only `min_age` shortens the wait after opening.
-    inherited = store.pins.grace_left()
-    grace = inherited > 0 or store.opened_for() < min(PIN_LIFETIME, min_age)
-    with store.gate.exclusive():
-        store.sync_index()
-        pinned = store.upload_pins() | young_pins
-        incr: Unreachable | None = None
-        if counted:
-            keep = _roots(store, now, report if report.mode == "incremental" else None,
-                          skip=skip)
-            if report.mode == "incremental":
-                report.snapshots_retained = len(keep)
-            try:
-                incr = _unreachable(store, keep | pinned, start)
-            except _Inexact as exc:
-                incr = None
-                report.fallback = f"the accounting is inexact ({exc}): marked in full"
-        if report.mode == "full" or incr is None:
-            if report.mode == "incremental":  # fall back: mark everything now
-                report.mode = "full"
-                roots = _roots(store, now, None, skip=skip)
-                _mark(store, roots, live)
-            again = _roots(store, now, None, skip=skip)
-            _mark(store, again - roots, live)
-            _mark_nodes(store, pinned, live)
-            candidates: dict[bytes, Loc] = {}
+    with contextlib.ExitStack() as scratch:
+        # A full mark's set, on disk (engine/scratch.py): memory stays bounded whatever
+        # the store holds. Made only when a full mark runs.
+        marks: list[Scratch] = []
+
+        def live() -> Scratch:
+            if not marks:
+                marks.append(scratch.enter_context(Scratch(store.path, "gc-marked")))
+            return marks[0]
+
+        roots: set[bytes] = set()
+        if report.mode == "full":
+            roots = _roots(store, now, report, skip=skip)
+            _mark(store, roots, live())
+            report.snapshots_retained = len(roots)
+        progress(2, len(PHASES), PHASES[2])
+        young_pins = store.upload_pins()
+        # Pins an earlier owner granted are not known here: wait them out. Without any
+        # (a clean close with none held), only `min_age` shortens the wait after opening.
+        inherited = store.pins.grace_left()
+        grace = inherited > 0 or store.opened_for() < min(PIN_LIFETIME, min_age)
+        with store.gate.exclusive():
+            store.sync_index()
+            pinned = store.upload_pins() | young_pins
+            incr: Unreachable | None = None
+            if counted:
+                keep = _roots(store, now, report if report.mode == "incremental" else None,
+                              skip=skip)
+                if report.mode == "incremental":
+                    report.snapshots_retained = len(keep)
+                try:
+                    incr = _unreachable(store, keep | pinned, start, scratch)
+                except _Inexact as exc:
+                    incr = None
+                    report.fallback = f"the accounting is inexact ({exc}): marked in full"
             live_bytes: dict[int, int] = {}
-            for oid, loc in store.index.iter_objects():
-                report.objects_examined += 1
-                if oid in live or (loc.pack, loc.offset) >= start:
-                    live_bytes[loc.pack] = live_bytes.get(loc.pack, 0) + loc.length
-                else:
-                    candidates[oid] = loc
-            report.objects_live = len(live)
-            kids: dict[bytes, list[bytes]] = {}
-            if incr is not None:
-                _compare(store, incr, candidates, report)
-            elif report.fallback is not None and not dry_run:
-                store.index.uncount()  # found wrong: full marks until the index is rebuilt
-        else:
-            candidates, kids = incr.objects, incr.names
-            report.objects_examined = incr.examined
-            live_bytes = store.index.pack_bytes()
-            for loc in candidates.values():
-                live_bytes[loc.pack] = live_bytes.get(loc.pack, 0) - loc.length
-            report.objects_live = store.index.count_objects() - len(candidates)
-        report.objects_unreachable = len(candidates)
-        since = {} if dry_run else store.index.mark_dead(candidates, time.time_ns())
-        cutoff = time.time_ns() - int(min_age * 1e9)
-        doomed = [oid for oid in candidates
-                  if dry_run or since.get(oid, time.time_ns()) <= cutoff]
-        if grace and doomed:
-            report.waiting = (
-                f"pins granted before the store was opened may be held for {inherited:.0f} s "
-                "more: nothing is deleted until then" if inherited > 0 else
-                f"the store opened {store.opened_for():.0f} s ago: nothing is "
-                f"deleted before one pin lifetime ({PIN_LIFETIME:g} s)")
-            doomed = []
-        report.objects_deleted = len(doomed)
-        report.bytes_freed = sum(candidates[o].length for o in doomed)
-        expired = [o for o in doomed if candidates[o].kind == SNAPSHOT]
-        report.snapshots_expired = len(expired)
-        if not dry_run and doomed:
-            gone: dict[bytes, tuple[Loc, list[bytes]]] = {}
-            for o in doomed:
-                names = kids.get(o) if o in kids else _names(store, candidates[o], o, counted)
-                if names is None:  # unreadable: what it names cannot be let go exactly
-                    store.index.uncount()
-                gone[o] = (candidates[o], names or [])
-            store.forget(gone, expired)
-    # Unreachable but not old enough yet: still indexed, so their packs stay whole.
-    waiting: dict[int, int] = {}
-    for oid in set(candidates) - set(doomed):
-        loc = candidates[oid]
-        waiting[loc.pack] = waiting.get(loc.pack, 0) + loc.length
+            compare: _Compare | None = None
+            candidates: Iterator[tuple[bytes, Loc]]
+            if report.mode == "full" or incr is None:
+                if report.mode == "incremental":  # fall back: mark everything now
+                    report.mode = "full"
+                    roots = _roots(store, now, None, skip=skip)
+                    _mark(store, roots, live())
+                again = _roots(store, now, None, skip=skip)
+                _mark(store, again - roots, live())
+                _mark_nodes(store, pinned, live())
+                report.objects_live = len(live())
+                candidates = _unmarked(store, live(), start, live_bytes, report)
+                if incr is not None:
+                    compare = _Compare(incr)  # checked as the sweep goes
+                elif report.fallback is not None and not dry_run:
+                    store.index.uncount()  # found wrong: full marks until a rebuild
+            else:
+                report.objects_examined = incr.examined
+                live_bytes = store.index.pack_bytes()
+                for _o, loc in incr.items():
+                    live_bytes[loc.pack] = live_bytes.get(loc.pack, 0) - loc.length
+                report.objects_live = store.index.count_objects() - incr.count
+                candidates = incr.items()
+            waiting = _sweep(store, candidates, counted, grace, inherited, min_age, report,
+                             compare)
+            if compare is not None:
+                compare.finish(store, report)
     report.live_bytes = sum(live_bytes.values())
-    report.dead_bytes = sum(loc.length for loc in candidates.values())
 
     # 5.-6. compaction and deferred deletion
     progress(3, len(PHASES), PHASES[3])
@@ -596,33 +577,122 @@ def _roots(store: Collectable, now: float, report: Report | None, skip: set[str]
     return out
 
 
-def _mark(store: Collectable, snapshots: set[bytes], live: set[bytes]) -> None:
-    todo = [(SNAPSHOT, s) for s in snapshots if s not in live]
-    _walk(store, todo, live)
+def _mark(store: Collectable, snapshots: set[bytes], live: Scratch) -> None:
+    _walk(store, [(SNAPSHOT, s) for s in snapshots], live)
 
 
-def _mark_nodes(store: Collectable, oids: set[bytes], live: set[bytes]) -> None:
+def _mark_nodes(store: Collectable, oids: set[bytes], live: Scratch) -> None:
     """Objects pinned by uploads: keep them and what they refer to."""
     todo = []
-    for oid in oids - live:
+    for oid in oids:
         kind = store.object_kind(oid)
         if kind is not None:
             todo.append((kind, oid))
     _walk(store, todo, live)
 
 
-def _walk(store: Collectable, todo: list[tuple[int, bytes]], live: set[bytes]) -> None:
+def _walk(store: Collectable, todo: list[tuple[int, bytes]], live: Scratch) -> None:
+    # Depth first: the stack holds the references of one node per level (a tree node's
+    # entries), never a level of the whole store, as a breadth-first walk would.
     while todo:
         kind, oid = todo.pop()
         if oid in live:
             continue
-        live.add(oid)
+        live.put(oid)
         if kind in (TREE, SNAPSHOT, FILENODE):  # blocks refer to nothing
             try:
                 raw = store.get_object(oid)
             except NotFound:
                 continue  # already gone (a hole fsck reports); nothing to follow
-            todo.extend((k, o) for k, o in references(kind, raw) if o not in live)
+            todo.extend(references(kind, raw))
+
+
+def _unmarked(store: Collectable, live: Scratch, start: tuple[int, int],
+              live_bytes: dict[int, int], report: Report) -> Iterator[tuple[bytes, Loc]]:
+    """Indexed objects stored before `start` that the mark did not reach, in id order.
+
+    Adds up the indexed bytes of the rest per pack into `live_bytes` as it goes.
+    The mark set is asked `SWEEP_BATCH` ids at a time.
+    """
+    batch: list[tuple[bytes, Loc]] = []
+
+    def sort_out() -> Iterator[tuple[bytes, Loc]]:
+        marked = live.contains_many([o for o, _l in batch])
+        for (oid, loc), reached in zip(batch, marked, strict=True):
+            if reached or (loc.pack, loc.offset) >= start:
+                live_bytes[loc.pack] = live_bytes.get(loc.pack, 0) + loc.length
+            else:
+                yield oid, loc
+        batch.clear()
+
+    for item in store.index.iter_objects():
+        report.objects_examined += 1
+        batch.append(item)
+        if len(batch) >= SWEEP_BATCH:
+            yield from sort_out()
+    yield from sort_out()
+
+
+def _sweep(store: Collectable, candidates: Iterator[tuple[bytes, Loc]],
+           counted: bool, grace: bool, inherited: float,
+           min_age: float, report: Report, compare: _Compare | None) -> dict[int, int]:
+    """Decide on the unreachable `candidates` (in id order) and drop those due, in batches.
+
+    A batch of `SWEEP_BATCH` is noted in the `dead` table, and those unreachable
+    for `min_age` leave the index, in a transaction or two of its own: the pass
+    never holds its whole garbage (the caller holds the gate throughout).
+    Returns the bytes per pack of those left waiting (unreachable but not for
+    long enough: still indexed, so their packs stay whole).
+    """
+    dry_run = report.dry_run
+    waiting: dict[int, int] = {}
+    now_ns = time.time_ns()
+    cutoff = now_ns - int(min_age * 1e9)
+    after: list[bytes] = []  # the last id of the batch before
+    batch: list[tuple[bytes, Loc]] = []
+
+    def decide(last: bool) -> None:
+        ids = [o for o, _l in batch]
+        since = (store.index.mark_dead(ids, now_ns, after[0] if after else None, last)
+                 if not dry_run else [0] * len(ids))
+        if compare is not None:
+            compare.saw(ids)
+        report.objects_unreachable += len(batch)
+        report.dead_bytes += sum(loc.length for _o, loc in batch)
+        doomed = [(o, loc) for (o, loc), t in zip(batch, since, strict=True) if t <= cutoff]
+        if grace and doomed:
+            report.waiting = (
+                f"pins granted before the store was opened may be held for {inherited:.0f} s "
+                "more: nothing is deleted until then" if inherited > 0 else
+                f"the store opened {store.opened_for():.0f} s ago: nothing is "
+                f"deleted before one pin lifetime ({PIN_LIFETIME:g} s)")
+            doomed = []
+        gone_ids = {o for o, _l in doomed}
+        for o, loc in batch:
+            if o not in gone_ids:
+                waiting[loc.pack] = waiting.get(loc.pack, 0) + loc.length
+        report.objects_deleted += len(doomed)
+        report.bytes_freed += sum(loc.length for _o, loc in doomed)
+        expired = [o for o, loc in doomed if loc.kind == SNAPSHOT]
+        report.snapshots_expired += len(expired)
+        if not dry_run and doomed:
+            gone: dict[bytes, tuple[Loc, list[bytes]]] = {}
+            for o, loc in doomed:
+                names = _names(store, loc, o, counted)  # read again: nothing kept per object
+                if names is None:  # unreadable: what it names cannot be let go exactly
+                    store.index.uncount()
+                gone[o] = (loc, names or [])
+            store.forget(gone, expired)
+        if batch:
+            after[:] = [batch[-1][0]]
+        batch.clear()
+
+    for item in candidates:
+        batch.append(item)
+        if len(batch) >= SWEEP_BATCH:
+            decide(False)
+    decide(True)
+    return waiting
 
 
 def _compact(store: Collectable, journal: Journal, packs: PackStore,
@@ -653,16 +723,21 @@ def _compact(store: Collectable, journal: Journal, packs: PackStore,
 
 def _indexed_in(store: Collectable, packs: PackStore, numbers: list[int]
                 ) -> Iterator[tuple[bytes, Loc]]:
-    """The objects of packs `numbers` whose index entry points at that very frame."""
+    """The objects of packs `numbers` whose index entry points at that very frame.
+
+    Each pack is scanned a record at a time (its mapped pages handed back as the
+    scan goes), not read into a list of its records.
+    """
     for n in numbers:
         with packs.mapped(n) as data:
-            result = packfmt.scan_buffer(data, packfmt.pack_name(n))
-        heads = [(packfmt.OBJ_HEAD.unpack_from(r.payload), r.offset)
-                 for r in result.records if r.rtype == packfmt.R_OBJECT]
-        for (_kind, oid, _n), offset in heads:
-            loc = store.index.locate(oid)
-            if loc is not None and loc.pack == n and loc.offset == offset:
-                yield oid, loc
+            _result, records = packfmt.scan_stream(data, packfmt.pack_name(n))
+            for r in records:
+                if r.rtype != packfmt.R_OBJECT:
+                    continue
+                _kind, oid, _n = packfmt.OBJ_HEAD.unpack_from(r.payload)
+                loc = store.index.locate(oid)
+                if loc is not None and loc.pack == n and loc.offset == r.offset:
+                    yield oid, loc
 
 
 class _Inexact(Exception):
@@ -671,21 +746,29 @@ class _Inexact(Exception):
 
 @dataclass
 class Unreachable:
-    objects: dict[bytes, Loc]          # unreachable, stored before the pass began
-    names: dict[bytes, list[bytes]]    # what each of them names (blocks: nothing)
-    examined: int = 0                  # index entries looked at
+    objects: Scratch    # unreachable, stored before the pass began: id -> its `LOC` bytes
+    count: int = 0      # how many
+    examined: int = 0   # index entries looked at
+
+    def items(self) -> Iterator[tuple[bytes, Loc]]:
+        """The objects in id order, with where each is."""
+        for oid, raw in self.objects.items():
+            yield oid, _loc(LOC.unpack(raw))
 
 
-def _unreachable(store: Collectable, keep: set[bytes], start: tuple[int, int]) -> Unreachable:
+def _unreachable(store: Collectable, keep: set[bytes], start: tuple[int, int],
+                 scratch: contextlib.ExitStack) -> Unreachable:
     """Every indexed object stored before `start` that nothing in `keep` reaches.
 
-    Proportional to the garbage: it starts from the objects no indexed node names
-    (the `zero` table: snapshots and the tops of garbage), takes those not kept,
-    and follows their references down, taking an object once every indexed node
-    that names it is taken (its reference count equals the references dropped).
-    Objects in `keep` the index lacks yet (uploads not durable) are read, and what
-    they name is kept too. Raises `_Inexact` when a count is below what was dropped
-    or a taken node cannot be read.
+    Proportional to the garbage in time, bounded in memory: it starts from the
+    objects no indexed node names (the `zero` table: snapshots and the tops of
+    garbage), takes those not kept, and follows their references down, taking an
+    object once every indexed node that names it is taken (its reference count
+    equals the references dropped). What it took and the references dropped so
+    far are scratch tables on disk (`scratch` closes them); the stack holds the
+    names of one node per level. Objects in `keep` the index lacks yet (uploads
+    not durable) are read, and what they name is kept too. Raises `_Inexact`
+    when a count is below what was dropped or a taken node cannot be read.
     """
     ix = store.index
     keep = set(keep)
@@ -704,36 +787,38 @@ def _unreachable(store: Collectable, keep: set[bytes], start: tuple[int, int]) -
                 keep.add(o)
                 if not ix.contains(o):
                     todo_keep.append(o)
-    out = Unreachable({}, {})
-    unnamed = ix.unnamed()
-    out.examined = len(unnamed)
-    frontier = [(o, loc) for o, loc in unnamed
-                if o not in keep and (loc.pack, loc.offset) < start]
-    dropped: dict[bytes, int] = {}
-    while frontier:  # in waves: each object named by a wave is looked up once
-        touched: set[bytes] = set()
-        for oid, loc in frontier:
-            if oid in out.objects:
+    out = Unreachable(scratch.enter_context(Scratch(store.path, "gc-unreachable")))
+    dropped = scratch.enter_context(Scratch(store.path, "gc-dropped"))
+    taken = out.objects
+
+    def take(first: bytes, first_loc: Loc) -> None:
+        stack = [(first, first_loc)]
+        while stack:
+            oid, loc = stack.pop()
+            if oid in taken:
                 continue
-            out.objects[oid] = loc
+            taken.put(oid, LOC.pack(*loc))
+            out.count += 1
             named = _names(store, loc, oid, True)
             if named is None:
                 raise _Inexact(f"object {oid.hex()} cannot be read")
-            out.names[oid] = named
-            for o in named:
-                dropped[o] = dropped.get(o, 0) + 1
-                if o not in keep:
-                    touched.add(o)
-        check = [o for o in touched if o not in out.objects]
-        out.examined += len(check)
-        frontier = []
-        for o, count in zip(check, ix.ref_counts(check), strict=True):
-            if dropped[o] > count:
-                raise _Inexact(f"object {o.hex()} is named more often than counted")
-            if dropped[o] == count:
-                oloc = ix.locate(o)
-                if oloc is not None and (oloc.pack, oloc.offset) < start:
-                    frontier.append((o, oloc))
+            named = [o for o in named if o not in keep and o not in taken]
+            out.examined += len(named)
+            for o, count in zip(named, ix.ref_counts(named), strict=True):
+                raw = dropped.get(o)
+                n = (COUNT.unpack(raw)[0] if raw else 0) + 1
+                dropped.put(o, COUNT.pack(n))
+                if n > count:
+                    raise _Inexact(f"object {o.hex()} is named more often than counted")
+                if n == count:  # its last namer taken: it is garbage too
+                    oloc = ix.locate(o)
+                    if oloc is not None and (oloc.pack, oloc.offset) < start:
+                        stack.append((o, oloc))
+
+    for oid, loc in ix.unnamed():
+        out.examined += 1
+        if oid not in keep and (loc.pack, loc.offset) < start:
+            take(oid, loc)
     return out
 
 
@@ -747,19 +832,30 @@ def _names(store: Collectable, loc: Loc, oid: bytes, counted: bool) -> list[byte
         return None
 
 
-def _compare(store: Collectable, incr: Unreachable, full: dict[bytes, Loc],
-             report: Report) -> None:
+class _Compare:
     """A full mark checks the accounting; one it would have let delete a live object is dropped.
 
-    The full mark may find more (an object named only by a node stored during the
+    Fed the full mark's unreachable objects a batch at a time by the sweep. The
+    full mark may find more (an object named only by a node stored during the
     pass, which the accounting counts): that is reported, never wrong.
     """
-    wrong = set(incr.objects) - set(full)
-    extra = set(full) - set(incr.objects)
-    report.checked = {"incremental_unreachable": len(incr.objects),
-                      "full_unreachable": len(full),
-                      "live_in_full_mark": len(wrong), "missed_by_accounting": len(extra)}
-    if wrong and not report.dry_run:
-        store.index.uncount()
-        report.fallback = (f"the accounting took {len(wrong)} live objects for garbage: "
-                           "it is dropped, and passes mark in full until the index is rebuilt")
+
+    def __init__(self, incr: Unreachable) -> None:
+        self.incr = incr
+        self.full = 0      # unreachable by the full mark
+        self.matched = 0   # of those, taken by the accounting too
+
+    def saw(self, ids: list[bytes]) -> None:
+        self.full += len(ids)
+        self.matched += sum(self.incr.objects.contains_many(ids))
+
+    def finish(self, store: Collectable, report: Report) -> None:
+        wrong = self.incr.count - self.matched
+        report.checked = {"incremental_unreachable": self.incr.count,
+                          "full_unreachable": self.full, "live_in_full_mark": wrong,
+                          "missed_by_accounting": self.full - self.matched}
+        if wrong and not report.dry_run:
+            store.index.uncount()
+            report.fallback = (f"the accounting took {wrong} live objects for garbage: "
+                               "it is dropped, and passes mark in full until the index is "
+                               "rebuilt")

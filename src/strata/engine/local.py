@@ -49,7 +49,7 @@ from strata.engine.errors import (
     Unavailable,
     no_object,
 )
-from strata.engine.fsck import fsck
+from strata.engine.fsck import FsckProgress, fsck
 from strata.engine.index import Index, Loc
 from strata.engine.indexer import Indexer
 from strata.engine.interface import ChangeSet, Lease, SnapshotInfo, Store
@@ -92,6 +92,7 @@ from strata.engine.refs import (
     lease_matches,
     state_ops,
 )
+from strata.engine.scratch import clear_scratch
 from strata.engine.storedir import (
     StoreConfig,
     StoreLock,
@@ -149,6 +150,7 @@ class LocalStore(Store):
         self.packs_dir = os.path.join(self.path, "packs")
         self.index_dir = os.path.join(self.path, "index")
         make_private(self.path)  # stores made before 0700 was the rule
+        clear_scratch(self.path)  # a pass's tables a crash left behind (engine/scratch.py)
         self._packs: PackStore = LocalPacks(self.packs_dir)
         self._tier: TieredPacks | None = None
         if meta.get("bucket"):  # the store is kept in a bucket too (engine/tier.py)
@@ -972,10 +974,13 @@ class LocalStore(Store):
         raw = self.index.get_meta(b"gc-last")
         return json.loads(raw) if raw else None
 
-    def fsck(self) -> dict[str, Any]:
-        """Verify every record of every pack, the index, and every branch's tree."""
+    def fsck(self, progress: FsckProgress | None = None) -> dict[str, Any]:
+        """Verify every record of every pack, the index, and every branch's tree.
+
+        `progress` is told (done, total, phase) as it goes (engine/fsck.py).
+        """
         return fsck(self._packs, self._journal, self._refs, self._indexer, self.get_object,
-                    self.recovery)
+                    self.recovery, self.path, progress)
 
     def rebuild_index(self) -> dict[str, Any]:
         """Throw the index away and rebuild it by replaying every pack."""

@@ -297,35 +297,57 @@ def scan(path: str, start: int | None = None) -> ScanResult:
 
 def scan_buffer(data: Buffer, name: str, start: int | None = None) -> ScanResult:
     """`scan` of a pack's bytes, wherever they were read from."""
+    result, records = scan_stream(data, name, start)
+    result.records = list(records)
+    return result
+
+
+RELEASE_BYTES = 16 << 20  # a streamed scan hands back the mapped pages behind it this often
+
+
+def scan_stream(data: Buffer, name: str, start: int | None = None
+                ) -> tuple[ScanResult, Iterator[Record]]:
+    """`scan_buffer` one record at a time, for a pass that must not hold a pack's records.
+
+    The result's `records` stays empty; its other fields are final once the
+    iterator is exhausted. A mapped pack's pages behind the scan are handed
+    back every `RELEASE_BYTES` (they are clean: read again if touched), so
+    the scan's resident memory stays bounded whatever the pack's size.
+    """
     if len(data) < HEADER_V1_SIZE:
         raise Corrupt(name, 0, "truncated pack header")
     info = read_header(data[:HEADER_SIZE], name)
-    return _scan_data(data, info, name, info.header_size if start is None else start)
+    result = ScanResult([], 0, [], False, False)
+    return result, _scan_iter(data, info, name, info.header_size if start is None else start,
+                              result)
 
 
-def _scan_data(data: Buffer, info: PackInfo, name: str, start: int) -> ScanResult:
-    records: list[Record] = []
-    damaged: list[tuple[int, str]] = []
+def _scan_iter(data: Buffer, info: PackInfo, name: str, start: int,
+               out: ScanResult) -> Iterator[Record]:
     pos = start
-    end = start
-    sealed = False
+    out.end = start
     n = len(data)
+    released = 0
     while pos < n:
+        if isinstance(data, mmap.mmap) and pos - released >= RELEASE_BYTES:
+            upto = pos // mmap.PAGESIZE * mmap.PAGESIZE
+            data.madvise(mmap.MADV_DONTNEED, 0, upto)
+            released = upto
         try:
             rec = _parse_at(data, info, pos, name)
         except Corrupt as exc:
             nxt = _resync(data, info, pos + 1, name)
             if nxt is None:
-                return ScanResult(records, end, damaged, True, sealed)
-            damaged.append((pos, exc.detail))
+                out.torn = True
+                return
+            out.damaged.append((pos, exc.detail))
             pos = nxt
             continue
-        records.append(rec)
         pos += rec.length
-        end = pos
+        out.end = pos
         if rec.rtype == R_SEAL:
-            sealed = True
-    return ScanResult(records, end, damaged, False, sealed)
+            out.sealed = True
+        yield rec
 
 
 def _parse_at(data: Buffer, info: PackInfo, pos: int, name: str) -> Record:

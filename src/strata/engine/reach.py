@@ -18,9 +18,10 @@ and starts empty.
 
 The table grows lazily: a miss walks each branch head back to the first
 snapshot already marked, and marks the new snapshots' trees, descending only
-into objects not yet marked. Marks are written after the walk, one
-transaction per snapshot, children before the snapshot mark, so a crash in
-the middle leaves only facts that are true. A marked object's subtree is
+into objects not yet marked. Marks are written as the walk goes, in post-order
+(an object after everything under it), `MARK_BATCH` a transaction, and the
+snapshot mark last, so a crash in the middle leaves only facts that are true
+and a walk holds one node's references per level, never a whole tree. A marked object's subtree is
 either marked or was never the volume's to see: an uploaded file node that
 names another volume's block keeps that block out of reach, because the walk
 stops at the file node the uploader was given.
@@ -40,6 +41,7 @@ from strata.engine.objects import BLOCK, SNAPSHOT, references
 
 Fetch = Callable[[bytes], bytes]
 VETTED, GIVEN = b"", b"g"  # an object's mark: its subtree checked, or only uploaded
+MARK_BATCH = 4_096  # marks a walk writes per transaction (children before their parents)
 
 
 def volume_key(volume: str, volume_id: str) -> bytes:
@@ -95,19 +97,37 @@ class Reach:
                 self._mark_snapshot(key, sid, fetch)
 
     def _mark_snapshot(self, key: bytes, sid: str, fetch: Fetch) -> None:
-        fresh: list[bytes] = []
-        with self._env.begin(db=self._db) as txn:
-            pending: set[bytes] = set()
-            stack = [(SNAPSHOT, bytes.fromhex(sid))]
+        # Depth first, marks in post-order: an object is marked only after everything
+        # under it, so a mark written (in batches, a crash between them) is never
+        # above an unmarked hole. Held in memory: one node's references per level and
+        # at most MARK_BATCH marks not yet written, never the snapshot's whole tree.
+        buf: dict[bytes, None] = {}
+        stack: list[tuple[int, bytes, bool]] = [(SNAPSHOT, bytes.fromhex(sid), False)]
+        txn = self._env.begin(db=self._db)
+        try:
             while stack:
-                kind, oid = stack.pop()
-                if oid in pending or txn.get(key + b"o" + oid) is not None:
-                    continue
-                pending.add(oid)
-                fresh.append(oid)
-                if kind != BLOCK:  # a block refers to nothing: no need to read it
-                    stack.extend(references(kind, fetch(oid)))
+                kind, oid, below_done = stack.pop()
+                if not below_done:
+                    if oid in buf or txn.get(key + b"o" + oid) is not None:
+                        continue
+                    if kind != BLOCK:  # a block refers to nothing: no need to read it
+                        stack.append((kind, oid, True))
+                        stack.extend((k, o, False) for k, o in references(kind, fetch(oid)))
+                        continue
+                buf[oid] = None
+                if len(buf) >= MARK_BATCH:
+                    self._write_marks(key, buf)
+                    txn.abort()  # a new snapshot of the table: it sees the marks just written
+                    txn = self._env.begin(db=self._db)
+        finally:
+            txn.abort()
+        self._write_marks(key, buf, snapshot=bytes.fromhex(sid))
+
+    def _write_marks(self, key: bytes, oids: dict[bytes, None],
+                     snapshot: bytes | None = None) -> None:
         with self._env.begin(write=True, db=self._db) as txn:
-            for oid in fresh:
+            for oid in oids:
                 txn.put(key + b"o" + oid, b"", overwrite=False)
-            txn.put(key + b"s" + bytes.fromhex(sid), b"")
+            if snapshot is not None:
+                txn.put(key + b"s" + snapshot, b"")
+        oids.clear()

@@ -22,6 +22,7 @@ from strata.engine.objects import references, unpackb
 from strata.engine.packstore import PackStore
 
 Pos = tuple[int, int]
+REPLAY_BATCH = 16_384  # objects and ops replayed into the index per transaction
 
 
 def open_index(path: str, packs: PackStore, report: dict[str, Any]) -> Index:
@@ -76,8 +77,27 @@ def replay(packs: PackStore, index: Index, start: Pos | None, report: dict[str, 
             report["truncated"].append({"pack": name, "offset": 0, "bytes": size})
             packs.remove(number)
             continue
+        objs: list[tuple[bytes, Loc]] = []
+        ops: list[list[Any]] = []
+        replayed = 0
         with packs.mapped(number) as data:
-            result = packfmt.scan_buffer(data, name, offset)
+            # A record at a time, applied REPLAY_BATCH at a time (each batch with the
+            # position it reaches): a pack's records are never all in memory.
+            result, records = packfmt.scan_stream(data, name, offset)
+            for rec in records:
+                replayed += 1
+                if rec.rtype == packfmt.R_OBJECT:
+                    kind, oid, _n = packfmt.OBJ_HEAD.unpack_from(rec.payload)
+                    objs.append((oid, Loc(number, rec.offset, rec.length, kind)))
+                elif rec.rtype == packfmt.R_COMMIT:
+                    try:
+                        ops.extend(unpackb(rec.payload)["ops"])
+                    except (ValueError, KeyError, TypeError):
+                        report["damaged"].append(
+                            {"pack": name, "offset": rec.offset, "reason": "bad commit payload"})
+                if len(objs) + len(ops) >= REPLAY_BATCH:
+                    index.apply(objs, ops, (number, rec.offset + rec.length), refs_of)
+                    objs, ops = [], []
         for off, reason in result.damaged:
             report["damaged"].append({"pack": name, "offset": off, "reason": reason})
         if result.torn and not repair:
@@ -94,19 +114,7 @@ def replay(packs: PackStore, index: Index, start: Pos | None, report: dict[str, 
                     {"pack": name, "offset": result.end,
                      "reason": "last record damaged (cut on open)"})
             packs.cut(number, result.end)
-        objs: list[tuple[bytes, Loc]] = []
-        ops: list[list[Any]] = []
-        for rec in result.records:
-            if rec.rtype == packfmt.R_OBJECT:
-                kind, oid, _n = packfmt.OBJ_HEAD.unpack_from(rec.payload)
-                objs.append((oid, Loc(number, rec.offset, rec.length, kind)))
-            elif rec.rtype == packfmt.R_COMMIT:
-                try:
-                    ops.extend(unpackb(rec.payload)["ops"])
-                except (ValueError, KeyError, TypeError):
-                    report["damaged"].append(
-                        {"pack": name, "offset": rec.offset, "reason": "bad commit payload"})
-        report["replayed"] += len(result.records)
+        report["replayed"] += replayed
         index.apply(objs, ops, (number, result.end), refs_of)
 
 

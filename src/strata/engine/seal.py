@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import stat
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import blake3
@@ -133,22 +134,34 @@ class BucketKey:
 
     def seal(self, name: str, data: bytes) -> bytes:
         """`data` sealed for the bucket object `name`."""
+        view = memoryview(data)
+        return b"".join(self.seal_chunks(name, len(data),
+                                         lambda at, size: view[at:at + size]))
+
+    def seal_chunks(self, name: str, length: int,
+                    read: Callable[[int, int], bytes | memoryview]) -> Iterator[bytes]:
+        """`seal` of `length` bytes that `read(offset, size)` gives a chunk at a time.
+
+        The same bytes as `seal`, in pieces (the header, then each sealed
+        chunk), so a large object is never whole in memory on this side.
+        """
         salt = os.urandom(16)
         flags = ENCRYPTED if self.encrypt else 0
-        header = HEADER.pack(MAGIC, VERSION, flags, 0, CHUNK, len(data), salt)
+        header = HEADER.pack(MAGIC, VERSION, flags, 0, CHUNK, length, salt)
         ad = header + name.encode()
         aead = self._aead(salt) if self.encrypt else None
-        view = memoryview(data)
-        n = _chunks(len(data), CHUNK)
-        out = [header]
+        n = _chunks(length, CHUNK)
+        yield header
         for i in range(n):
-            part = view[i * CHUNK:(i + 1) * CHUNK]
+            size = min(CHUNK, length - i * CHUNK)
+            part = read(i * CHUNK, size)
+            if len(part) != size:
+                raise ValueError(f"{name}: {len(part)} bytes read at {i * CHUNK}, not {size}")
             nonce = _nonce(i, i == n - 1)
             if aead is not None:
-                out.append(aead.encrypt(nonce, part, ad))
+                yield aead.encrypt(nonce, part, ad)
             else:
-                out += (bytes(part), self._tag(ad, nonce, part))
-        return b"".join(out)
+                yield bytes(part) + self._tag(ad, nonce, part)
 
     def open(self, name: str, data: bytes) -> bytes:
         """The content of the whole sealed object `name`; `Unauthentic` unless it verifies."""

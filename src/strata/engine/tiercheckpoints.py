@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import blake3
@@ -28,7 +29,7 @@ from strata.engine.checkpoint import (
     Checkpoint,
     Part,
     PartReader,
-    encode_part,
+    PartWriter,
     encode_table,
     merged,
     packs_rows,
@@ -63,10 +64,11 @@ class Checkpoints(TierState):
         try:
             size = self.local.size(number)
             with self.local.mapped(number) as data:
-                body = bytes(data)
+                # Sealed and handed over a chunk at a time, the mapped pages behind
+                # released as it goes: the pack is never copied whole here.
+                self.bucket.put_new_from(name, size, _reader(data))
         except FileNotFoundError:
             return  # garbage collection removed it meanwhile: nothing to keep
-        self.bucket.put_new(name, body)
         if self.bucket.size(name) != self.bucket.stored_size(size):
             raise BucketUnavailable(f"bucket copy of {name} has the wrong size; "
                                     "uploading it again")
@@ -108,10 +110,13 @@ class Checkpoints(TierState):
                 pass
         written: list[Part] = []
 
-        def take_all(entries: Iterator[tuple[bytes, Loc]]) -> None:
-            written.extend(self._write_run(((k, v) for k, v in entries), 0, stamp))
+        def take(entries: Iterator[tuple[bytes, Loc | None]]) -> None:
+            written.extend(self._write_run(entries, 0, stamp))
 
-        changes, tables = self._index.checkpoint_view(take_all if full else None)
+        # The run is written as the index is read, a part at a time: nothing is held
+        # per entry (docs/design.md, "Memory through a pass").
+        seq, changed, tables = self._index.checkpoint_view(None if full else take,
+                                                           take if full else None)
         # Everything up to `applied` was written before this point: ship it first.
         self.ship()
         with self._lock:
@@ -121,10 +126,7 @@ class Checkpoints(TierState):
             self._cp_taken += 1  # this checkpoint's view of the packs, numbered
             taken = self._cp_taken
         old = list(self._manifest)
-        if full:
-            parts = written
-        else:
-            parts = self._write_run(((oid, loc) for oid, loc, _m in changes), 0, stamp) + old
+        parts = written if full else written + old
         if self.index_complete():
             parts = self._merge(parts, stamp)
         log_from = min(unsent) if unsent else (self.log.next or 0)
@@ -151,7 +153,7 @@ class Checkpoints(TierState):
                            name, exc, exc_info=True)
                 self.failed = exc
                 raise
-        self._index.checkpoint_done(((oid, m) for oid, _l, m in changes), name)
+        self._index.checkpoint_done(seq, name)
         # What only earlier checkpoints name goes once this one is in the log.
         keep = {p.name for p in parts} | {n for n, _h in tables_ref.values()}
         # Earlier runs it merged, and runs this checkpoint wrote then merged again.
@@ -179,7 +181,7 @@ class Checkpoints(TierState):
         self.stats["index_parts"] = len(parts)
         self.stats["last_checkpoint"] = time.time()
         _log.info("checkpoint %s: applied %s, %d change(s)%s, %d run(s), %d pack(s) in the "
-                  "bucket, log from %d", name, tuple(tables["applied"]), len(changes),
+                  "bucket, log from %d", name, tuple(tables["applied"]), changed,
                   " (the whole index)" if full else "", len(runs_of(parts)), len(remote),
                   log_from)
         return name
@@ -189,25 +191,27 @@ class Checkpoints(TierState):
         """Upload sorted `entries` as a new run's parts (none if there are no entries)."""
         run = self._next_run  # above every run of the manifest (tierstate.py)
         parts: list[Part] = []
-        batch: list[tuple[bytes, Loc | None]] = []
 
-        def put() -> None:
-            data, fences, at = encode_part(batch)
+        def put(writer: PartWriter) -> None:
+            count, first = writer.entries, writer.first or b""
+            data, fences, at = writer.finish()
             name = f"runs/{stamp}-{run}-{len(parts)}"
             self.bucket.put_new(name, data)
             self._written_bytes[name] = len(data)
             inline = len(fences) <= 32 * INLINE_FENCES
-            parts.append(Part(name, run, level, len(batch), batch[0][0],
+            parts.append(Part(name, run, level, count, first,
                               fences if inline else b"", at,
                               blake3.blake3(fences).digest()))
-            batch.clear()
 
-        for entry in entries:
-            batch.append(entry)
-            if len(batch) >= PART_ENTRIES:
-                put()
-        if batch:
-            put()
+        # Encoded as they come: a part's bytes are held, never its entries.
+        writer = PartWriter()
+        for oid, loc in entries:
+            writer.add(oid, loc)
+            if writer.entries >= PART_ENTRIES:
+                put(writer)
+                writer = PartWriter()
+        if writer.entries:
+            put(writer)
         if parts:
             self._next_run = run + 1
         return parts
@@ -274,3 +278,17 @@ class Checkpoints(TierState):
                              exc_info=True)
                 with self._lock:
                     self._doomed.append((name, -1))  # again next time
+
+
+def _reader(data: Any) -> Callable[[int, int], bytes]:
+    """Reads of a mapped pack in order, handing back the pages behind them every 16 MiB."""
+    released = [0]
+
+    def read(at: int, size: int) -> bytes:
+        piece = bytes(data[at:at + size])
+        if isinstance(data, mmap.mmap) and at - released[0] >= 16 << 20:
+            upto = at // mmap.PAGESIZE * mmap.PAGESIZE
+            data.madvise(mmap.MADV_DONTNEED, 0, upto)
+            released[0] = upto
+        return piece
+    return read

@@ -692,13 +692,26 @@ async def fsck(request: web.Request) -> web.Response:
     state = request.app[STATE]
     store = state.need_store()
     body = await read_json(request) if request.can_read_body else {}
+    progress = _fsck_progress()
     if body.get("rebuild_index"):
         rebuilt = await state.run(store.rebuild_index)
-        report = await state.run(store.fsck)
+        report = await state.run(store.fsck, progress)
         report["rebuilt"] = rebuilt
     else:
-        report = await state.run(store.fsck)
+        report = await state.run(store.fsck, progress)
     return web.json_response(report)
+
+
+def _fsck_progress() -> Callable[[int, int, str], None]:
+    """Report how far fsck got in the server's log: each phase as it starts, then every 30 s."""
+    last: list[tuple[str, float]] = [("", 0.0)]
+
+    def say(done: int, total: int, phase: str) -> None:
+        now = time.monotonic()
+        if phase != last[0][0] or now - last[0][1] >= 30:
+            log.info("fsck: %s%s", phase, f" ({done}/{total})" if total else "")
+            last[0] = (phase, now)
+    return say
 
 
 async def gc(request: web.Request) -> web.Response:

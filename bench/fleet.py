@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import sys
 import threading
@@ -148,6 +149,7 @@ def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
     os.makedirs(work)
     moto = Moto(Path(work)).start()
     os.environ.update(moto.env())
+    os.environ.setdefault("STRATA_FLEET_TOKEN", secrets.token_hex(16))  # members and clients
     fleet = Fleet(f"s3://{BUCKET}/fleet", Path(work), moto.env())
     rows: list[dict[str, Any]] = []
     try:

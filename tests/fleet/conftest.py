@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,14 @@ def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moto]:
         yield m
     finally:
         m.stop()
+
+
+@pytest.fixture(autouse=True)
+def fleet_token(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The fleet's shared secret, for the members and clients a test starts."""
+    token = secrets.token_hex(16)
+    monkeypatch.setenv("STRATA_FLEET_TOKEN", token)
+    return token
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import pytest
 from fleetutil import Fleet, Publishers, check, make_volume
 
 from bucketutil import FaultProxy, Moto
+from strata.server.bodies import MAX_BODY
 from strata_harness import STRATA
 
 
@@ -116,3 +118,41 @@ def test_a_flaky_bucket_loses_nothing_acknowledged(moto: Moto, fleet_url: str,
     finally:
         fleet.close()
         proxy.stop()
+
+
+def test_the_fleet_port_needs_the_fleet_secret_and_bounds_bodies(fleet: Fleet) -> None:
+    """The port answers as every store's owner: a stranger gets 403, a huge body 413."""
+    import urllib.error
+    import urllib.request
+
+    fleet.records.add_store("s1", "bucket")
+    fleet.add("a")
+    fleet.owner("s1")
+    addr = fleet.members["a"].addr
+
+    def post(path: str, body: bytes, token: str | None) -> int:
+        headers = {"X-Strata-Store": "s1", "Content-Type": "application/json"}
+        if token is not None:
+            headers["X-Strata-Fleet-Token"] = token
+        req = urllib.request.Request(addr + path, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - loopback
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+
+    token = os.environ["STRATA_FLEET_TOKEN"]
+    assert post("/v1/volumes", b'{"name": "x"}', None) == 403
+    assert post("/v1/volumes", b'{"name": "x"}', token[:-1] + "0") == 403
+    # A body over the API's limit is refused from its length, before it is read.
+    host, port = addr.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/volumes HTTP/1.1\r\nHost: x\r\nX-Strata-Store: s1\r\n"
+                  b"X-Strata-Fleet-Token: " + token.encode() + b"\r\n"
+                  b"Content-Length: " + str(MAX_BODY + 1).encode() + b"\r\n\r\n{")
+        assert s.recv(64).startswith(b"HTTP/1.1 413"), "the body was read, or accepted"
+    no_token = {k: v for k, v in os.environ.items() if k != "STRATA_FLEET_TOKEN"}
+    p = subprocess.run([*STRATA, "fleet", "join", fleet.url, "--name", "z", "--listen",
+                        "127.0.0.1:1", "--dir", str(fleet.root / "z")], env=no_token,
+                       capture_output=True, timeout=60)
+    assert p.returncode != 0 and b"STRATA_FLEET_TOKEN" in p.stderr, p.stderr

@@ -11,6 +11,7 @@ lost is found, not made twice (docs/design.md, "Publish algorithm").
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ class FleetStore(RemoteStore):
         super().__init__(self.members[0], None, retry_for=retry_for, timeout=timeout,
                          prefetch=True)
         self.store = store
-        self.fleet_token = token
+        self.fleet_token = token or os.environ.get("STRATA_FLEET_TOKEN") or None
         self._which = 0
         self._which_lock = threading.Lock()
         self.last = threading.local()  # the last answer's owner and epoch (for checkers)

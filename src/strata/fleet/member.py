@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hmac
 import logging
 import os
 import shutil
@@ -37,7 +38,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from strata.engine.errors import AlreadyExists, StrataError, Unavailable
+from strata.engine.errors import AlreadyExists, InvalidInput, StrataError, Unavailable
 from strata.engine.local import LocalStore
 from strata.fleet.lease import (
     HEARTBEAT_EVERY,
@@ -48,6 +49,7 @@ from strata.fleet.lease import (
     expiry_wait,
 )
 from strata.fleet.records import FleetRecords, Lease, rendezvous, store_url
+from strata.server.bodies import MAX_BODY
 from strata.server.client import default_socket
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,9 @@ class Member:
         self.dir = os.path.abspath(data_dir)
         self.key = key
         self.ttl = ttl
+        if not token:  # the port answers as every store's owner: never open to anyone
+            raise InvalidInput("a fleet member needs the fleet's shared secret: set "
+                               "STRATA_FLEET_TOKEN (the same on every member and client)")
         self.token = token
         self.records = FleetRecords(self.url)
         self.owned: dict[str, Owned] = {}
@@ -123,7 +128,7 @@ class Member:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT),
             connector=aiohttp.TCPConnector(limit=256), auto_decompress=False)
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=MAX_BODY)  # a larger body: 413, unread
         app.router.add_get("/fleet/v1/status", self._status)
         app.router.add_post("/fleet/v1/move", self._move)
         app.router.add_post("/fleet/v1/leave", self._leave)
@@ -452,9 +457,8 @@ class Member:
     # -- the API front ----------------------------------------------------------------
 
     def _authorized(self, request: web.Request) -> bool:
-        if self.token is None:
-            return True
-        return request.headers.get("X-Strata-Fleet-Token") == self.token
+        given = request.headers.get("X-Strata-Fleet-Token", "")
+        return hmac.compare_digest(given.encode(), self.token.encode())
 
     async def _status(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
@@ -513,7 +517,10 @@ class Member:
         if not store:
             return web.json_response({"error": "InvalidInput", "message":
                                       "name the store: X-Strata-Store header"}, status=400)
-        body = await request.read()
+        if (request.content_length or 0) > MAX_BODY:  # refused unread (413, as the API does)
+            return web.json_response({"error": "TooLarge", "message": "request body over "
+                                      f"{MAX_BODY} bytes"}, status=413)
+        body = await request.read()  # chunked bodies: client_max_size stops them at MAX_BODY
         owned = self.owned.get(store)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         if owned is not None and owned.serving and owned.session is not None \

@@ -98,7 +98,9 @@ def _move(fleet: Fleet, store: str, to: str) -> None:
     assert lease is not None
     req = urllib.request.Request(lease.addr + "/fleet/v1/move",
                                  data=json.dumps({"store": store, "to": to}).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+                                 headers={"Content-Type": "application/json",
+                                          "X-Strata-Fleet-Token": os.environ["STRATA_FLEET_TOKEN"]},
+                                 method="POST")
     with urllib.request.urlopen(req, timeout=60) as resp:  # noqa: S310 - loopback
         resp.read()
 

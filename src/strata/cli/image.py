@@ -11,7 +11,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from strata.cli.common import fmt_time, open_store, parse_size, print_json, short, show_path
+from strata.cli.common import fmt_time, open_store, parse_size, print_json, short
+from strata.cli.show import print_changes
 from strata.engine.errors import InvalidInput, NotFound
 
 if TYPE_CHECKING:
@@ -176,11 +177,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         sid_b = resolve_image(store, args.image_b)[2]
         rows = [{"path": path, "change": change_kind(old, new)} for path, old, new in
                 Trees(store).diff(store.snapshot(sid_a).root, store.snapshot(sid_b).root)]
-    if args.json:
-        print_json(rows)
-    else:
-        for r in rows:
-            print(f"{r['change'][0].upper()}  {show_path(r['path'])}")
+    print_changes(rows, as_json=args.json)
     return 0
 
 

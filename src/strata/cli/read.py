@@ -18,6 +18,7 @@ from strata.cli.common import (
     short,
     show_path,
 )
+from strata.cli.show import print_changes
 from strata.engine.errors import InvalidInput
 
 
@@ -182,11 +183,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             for path, old, new in Trees(store).diff(root_a, root_b):
                 change = change_kind(old, new)
                 rows.append({"path": path, "change": change})
-    if args.json:
-        print_json(rows)
-    else:
-        for r in rows:
-            print(f"{r['change'][0].upper()}  {show_path(r['path'])}")
+    print_changes(rows, as_json=args.json)
     return 0
 
 

@@ -88,6 +88,15 @@ def print_json(value: Any) -> None:
     sys.stdout.write("\n")
 
 
+def print_changes(rows: list[dict[str, Any]], *, as_json: bool) -> None:
+    """A diff's rows ({"path", "change"}): JSON, or one `A|M|D  path` line each."""
+    if as_json:
+        print_json(rows)
+        return
+    for r in rows:
+        print(f"{r['change'][0].upper()}  {show_path(r['path'])}")
+
+
 # Fields of an entry's list form.
 KIND, MODE, UID, GID, MTIME, SIZE, REF, DATA, RDEV, XATTRS, INO, NLINK = range(12)
 

@@ -10,15 +10,13 @@ lost is found, not made twice (docs/design.md, "Publish algorithm").
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from collections.abc import Sequence
 
 from strata.engine.errors import InvalidInput, Unavailable
-from strata.server import wire
-from strata.server.client import BadResponse, RemoteStore, _Conn, parse_server
+from strata.server.client import BadResponse, RemoteStore, _Conn, parse_server, raise_http_error
 
 CONNECT_TIMEOUT = 5.0  # a stopped member is left after this (a SIGSTOPped host accepts)
 
@@ -92,9 +90,5 @@ class FleetStore(RemoteStore):
             epoch = rheaders.get("x-strata-epoch")
             self.last.epoch = int(epoch) if epoch and epoch.isdigit() else None
             if status >= 400:
-                try:
-                    err = json.loads(data)
-                except ValueError:
-                    err = {"message": data[:200].decode(errors="replace")}
-                wire.raise_error(status, err if isinstance(err, dict) else {})
+                raise_http_error(status, data)
             return status, rheaders, data

@@ -215,6 +215,15 @@ SOCKET_NAME = "serve.sock"
 _KINDS_BY_LIKELIHOOD = (1, 3, 2, 4)  # block, tree node, file node, snapshot
 
 
+def raise_http_error(status: int, data: bytes) -> None:
+    """Raise the error an HTTP answer of `status` (400 or over) with body `data` carries."""
+    try:
+        err = json.loads(data)
+    except ValueError:
+        err = {"message": data[:200].decode(errors="replace")}
+    wire.raise_error(status, err if isinstance(err, dict) else {})
+
+
 def _verified(oid: bytes, raw: bytes) -> bytes:
     """`raw` if it is the object `oid` names (of any kind); a server is not trusted."""
     from strata.engine.objects import object_id
@@ -353,11 +362,7 @@ class RemoteStore(Store):
                 time.sleep(min(max(wait, 0.01), 1.0, max(deadline - time.monotonic(), 0)))
                 continue
             if status >= 400:
-                try:
-                    err = json.loads(data)
-                except ValueError:
-                    err = {"message": data[:200].decode(errors="replace")}
-                wire.raise_error(status, err if isinstance(err, dict) else {})
+                raise_http_error(status, data)
             return status, rheaders, data
 
     def _json(self, method: str, path: str, payload: Any = None) -> Any:
@@ -614,12 +619,7 @@ class RemoteStore(Store):
             conn.request("GET", path, headers=hdrs)
             resp = conn.getresponse()
             if resp.status >= 400:
-                data = resp.read()
-                try:
-                    err = json.loads(data)
-                except ValueError:
-                    err = {"message": data[:200].decode(errors="replace")}
-                wire.raise_error(resp.status, err if isinstance(err, dict) else {})
+                raise_http_error(resp.status, resp.read())
             sid: str | None = None
             data_lines: list[str] = []
             while True:

@@ -201,3 +201,33 @@ def test_file_node_reads_ranges_with_holes_and_short_blocks() -> None:
     assert node.read(2, 9, fetch) == b"a\0\0\0\0\0c"
     assert list(node.pieces(1, 10, fetch)) == [(3, b"aa\0"), (4, None), (2, b"cc")]
     assert ZERO_ID not in fetched
+
+
+@given(st.dictionaries(names, entries, min_size=1, max_size=12), st.integers(0, 2**40))
+def test_version_2_leaf_round_trips_with_its_link_counts(items: dict[bytes, Entry],
+                                                         below: int) -> None:
+    rows = tuple(sorted(items.items()))
+    links = tuple(below if e.kind == K_DIR else int(e.kind == K_FILE and e.ino != 0)
+                  for _n, e in rows)
+    node = TreeNode(0, entries=rows, links=links)
+    raw = node.encode()
+    back = TreeNode.decode(raw)
+    assert back == node and back.version == 2 and back.encode() == raw
+    assert back.linked == sum(links)
+    v1 = TreeNode.decode(TreeNode(0, entries=rows).encode())  # before counts: dirs unknown
+    assert v1.version == 1
+    assert v1.item_links == tuple(None if e.kind == K_DIR else n
+                                  for (_n, e), n in zip(rows, links, strict=True))
+
+
+def test_the_empty_directory_keeps_its_id_in_version_2() -> None:
+    assert TreeNode(0, links=()).encode() == EMPTY_TREE
+    assert TreeNode.decode(EMPTY_TREE).linked == 0
+
+
+def test_a_version_2_leaf_whose_file_counts_lie_is_refused() -> None:
+    linked = Entry(kind=K_FILE, size=1, data=b"x", ino=5, nlink=2)
+    with pytest.raises(ValueError, match="counts 0 linked files"):
+        TreeNode.decode(packb([2, 0, [[b"a", *linked.to_list()]], [0]]))
+    with pytest.raises(ValueError, match="link counts do not match"):
+        TreeNode.decode(packb([2, 0, [[b"a", *linked.to_list()]], [1, 1]]))

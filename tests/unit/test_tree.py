@@ -270,3 +270,39 @@ def test_resolve_changed_sees_what_apply_makes(shared_store: LocalStore) -> None
         root, ["a", "b"])
     top = trees.resolve_changed(root, {"": dentry(mode=0o711)}, [])
     assert top == root.with_(mode=0o711)
+
+
+def true_links(trees: Trees, oid: bytes) -> int:
+    """Hard-linked files under tree `oid`, counted by hand; every written count must agree."""
+    node = trees.node(oid)
+    if node.level:
+        got = [true_links(trees, c[1]) for c in node.children]
+    else:
+        got = [true_links(trees, e.ref) if e.kind == K_DIR and e.ref is not None
+               else int(e.kind == K_FILE and e.ino != 0) for _n, e in node.entries]
+    assert list(node.item_links) == got
+    return sum(got)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 400), st.integers(0, 3)),
+                min_size=1, max_size=60))
+def test_link_counts_follow_every_update(shared_store: LocalStore,
+                                         ops: list[tuple[int, int, int]]) -> None:
+    """Counts of hard-linked files stay exact through nested sets, deletes and splits."""
+    trees = Trees(shared_store)
+    root = Entry(kind=K_DIR, mode=0o755, ref=EMPTY_TREE_ID)
+    for d, i, what in ops:
+        parts = (f"dir{d}", f"sub{i % 3}", f"f{i:04d}")
+        e = None if what == 0 else fentry(i).with_(ino=i + 1 if what == 1 else 0,
+                                                     nlink=2 if what == 1 else 1)
+        change = [(parts[:1], Entry(kind=K_DIR, mode=0o755)),
+                  (parts[:2], Entry(kind=K_DIR, mode=0o755)), (parts, e)]
+        root = trees.apply(root, change)
+        assert root.ref is not None
+        linked = true_links(trees, root.ref)
+        want = sum(1 for _p, e in trees.walk(root) if e.kind == K_FILE and e.ino)
+        assert linked == want
+        assert sorted(p for p, _e in trees.link_group(root, i + 1)) == sorted(
+            p for p, e in trees.walk(root) if e.kind == K_FILE and e.ino == i + 1)

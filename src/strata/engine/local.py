@@ -106,19 +106,30 @@ __all__ = ["MAX_OBJECT", "LocalStore", "StoreConfig", "init_store", "read_store_
 
 
 def check_tree_shape(node: TreeNode, get: Callable[[bytes], TreeNode]) -> None:
-    """An inner tree node must describe its children exactly, or lookups and listings lie.
+    """A tree node must describe what it names exactly, or lookups and listings lie.
 
     Each child is one level down, holds as many entries as the parent says,
     and its names lie in its range: from its first name up to (not including)
     the next child's. Otherwise two leaves could hold the same name (`ls`
     showed `x x`, and export failed), or a name could sit where no lookup
     goes. Each node's own order was checked when it arrived (server/wire.py).
+    A version 2 node's count of hard-linked files under a child or a
+    subdirectory is the count that node holds: a count of 0 over a linked
+    file would hide that file from its group's search (docs/design.md
+    "Hard links").
     """
+    links = node.item_links
     if node.level == 0:
+        if node.links is not None:
+            for (name, e), n in zip(node.entries, links, strict=True):
+                if e.kind == K_DIR and e.ref is not None:
+                    _check_links(n, get(e.ref), f"directory {name!r}")
         return
     kids = node.children
     for i, (first, oid, count) in enumerate(kids):
         child = get(oid)
+        if node.links is not None:
+            _check_links(links[i], child, "a child")
         if child.level != node.level - 1:
             raise InvalidInput(f"a level-{node.level} tree node has a level-{child.level} child")
         if child.count != count:
@@ -131,6 +142,12 @@ def check_tree_shape(node: TreeNode, get: Callable[[bytes], TreeNode]) -> None:
             last = get(last.children[-1][1])
         if i + 1 < len(kids) and last.entries and not last.entries[-1][0] < kids[i + 1][0]:
             raise InvalidInput("two tree nodes of one directory hold overlapping names")
+
+
+def _check_links(claim: int | None, child: TreeNode, what: str) -> None:
+    if claim != child.linked:
+        raise InvalidInput(f"a tree node counts {claim} hard-linked files under {what}, "
+                           f"which holds {child.linked}")
 
 
 class LocalStore(Store):
@@ -792,8 +809,12 @@ class LocalStore(Store):
                                f"lacks, e.g. {lacking[0].hex()}")
         sent = {object_id(k, raw): raw for k, raw in objects if k == TREE}
         for raw in sent.values():
-            check_tree_shape(TreeNode.decode(raw), lambda oid: TreeNode.decode(
-                sent[oid] if oid in sent else self.get_object(oid)))
+            try:
+                check_tree_shape(TreeNode.decode(raw), lambda oid: TreeNode.decode(
+                    sent[oid] if oid in sent else self.get_object(oid)))
+            except ValueError as exc:  # a child or directory that is no tree node
+                raise InvalidInput(f"a tree node names an object that is no tree node: "
+                                   f"{exc}") from None
         # A file entry's size is its node's: readers (the web view) trust the node.
         for name, size, ref in files:
             given = batch.get(ref)

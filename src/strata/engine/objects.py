@@ -344,31 +344,76 @@ def fit_block(raw: bytes, length: int) -> bytes:
     return raw + bytes(length - len(raw)) if len(raw) < length else raw[:length]
 
 
+TREE_NODE_VERSIONS = (1, 2)  # 2 adds the count of hard-linked files under each item
+_TREE_LEVEL_MAX = 64  # far above any real directory: 256**64 entries
+
+
 @dataclass(frozen=True, slots=True)
 class TreeNode:
     """One node of a directory's B-tree.
 
     Level 0 nodes hold (name, Entry) pairs sorted by name; higher levels hold
-    (first name, child id, entry count) triples.
+    (first name, child id, entry count) triples. `links` (version 2) counts,
+    for each item, the hard-linked files (`ino` non-zero) at or below it,
+    through subdirectories too, or holds None where that is unknown (a
+    directory written before version 2). A version 1 node has `links` None:
+    its files count as they are, its directories and children as unknown.
+    A search for a link group descends only where the count is not zero.
     """
 
     level: int
     entries: tuple[tuple[bytes, Entry], ...] = ()
     children: tuple[tuple[bytes, bytes, int], ...] = ()
+    links: tuple[int | None, ...] | None = None
+
+    @property
+    def version(self) -> int:
+        return 1 if self.links is None else 2
 
     def encode(self) -> bytes:
-        if self.level == 0:
-            return packb([0, [[n, *e.to_list()] for n, e in self.entries]])
-        return packb([self.level, [list(c) for c in self.children]])
+        items: list[Any] = ([[n, *e.to_list()] for n, e in self.entries] if self.level == 0
+                            else [list(c) for c in self.children])
+        if self.links is None or not items:  # the empty directory keeps its id: [0, []]
+            return packb([self.level, items])
+        return packb([2, self.level, items, list(self.links)])
 
     @classmethod
     def decode(cls, raw: bytes) -> TreeNode:
+        """Decode a node of version 1 (`[level, items]`) or 2 (`[2, level, items, links]`).
+
+        The counts of a version 2 leaf's non-directory items are checked
+        against the entries here; those of directories and children are
+        checked against the nodes they name when a client sends the node
+        (LocalStore.check_tree_refs).
+        """
         v = unpackb(raw)
-        if not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], int):
+        if not isinstance(v, list) or not v or not _is_int(v[0]):
             raise ValueError("malformed tree node")
-        if v[0] == 0:
-            return cls(0, entries=tuple((bytes(x[0]), Entry.from_list(x[1:])) for x in v[1]))
-        return cls(v[0], children=tuple((bytes(c[0]), bytes(c[1]), int(c[2])) for c in v[1]))
+        if len(v) == 2:
+            level, items, links = v[0], v[1], None
+        elif v[0] == 2 and len(v) == 4:
+            _version, level, items, links = v
+        else:
+            raise ValueError(f"tree node format version {v[0]} is not one this strata reads "
+                             f"({', '.join(map(str, TREE_NODE_VERSIONS))}); upgrade strata")
+        if not _is_int(level) or not 0 <= level <= _TREE_LEVEL_MAX or not isinstance(
+                items, list):
+            raise ValueError("malformed tree node: bad level or item list")
+        if level == 0:
+            node = cls(0, entries=tuple((bytes(x[0]), Entry.from_list(x[1:])) for x in items))
+        else:
+            node = cls(level, children=tuple((bytes(c[0]), bytes(c[1]), int(c[2]))
+                                             for c in items))
+        if links is None:
+            return node
+        if not isinstance(links, list) or len(links) != len(items) or not all(
+                n is None or (_is_int(n) and 0 <= n <= _I63) for n in links):
+            raise ValueError("malformed tree node: link counts do not match its items")
+        for (name, e), n in zip(node.entries, links, strict=False):
+            if e.kind != K_DIR and n != _own_links(e):
+                raise ValueError(f"tree node counts {n} linked files at {name!r}, a "
+                                 f"{ENTRY_KIND_NAMES[e.kind]} with inode group {e.ino}")
+        return replace(node, links=tuple(links))
 
     @property
     def count(self) -> int:
@@ -381,6 +426,40 @@ class TreeNode:
         if self.level == 0:
             return self.entries[0][0] if self.entries else b""
         return self.children[0][0] if self.children else b""
+
+    @property
+    def item_links(self) -> tuple[int | None, ...]:
+        """Linked files at or below each item (None: unknown, descend to find out)."""
+        if self.links is not None:
+            return self.links
+        if self.level:
+            return (None,) * len(self.children)
+        return tuple(None if e.kind == K_DIR else _own_links(e) for _n, e in self.entries)
+
+    @property
+    def linked(self) -> int | None:
+        """Hard-linked files anywhere under this node, or None if some count is unknown."""
+        total = 0
+        for n in self.item_links:
+            if n is None:
+                return None
+            total += n
+        return total
+
+
+def _own_links(e: Entry) -> int:
+    """1 for a hard-linked file (the entry itself), 0 for any other non-directory."""
+    return 1 if e.kind == K_FILE and e.ino else 0
+
+
+def entry_links(e: Entry, node: Callable[[bytes], TreeNode]) -> int | None:
+    """What a tree node records for entry `e`: for a directory, its tree's count.
+
+    `node` reads a tree node by id; only directories call it.
+    """
+    if e.kind != K_DIR:
+        return _own_links(e)
+    return node(e.ref).linked if e.ref is not None else None
 
 
 SNAPSHOT_VERSIONS = (1, 2)  # 2 adds "tx", the id of the publish that made the snapshot

@@ -4,7 +4,9 @@ A directory is a B-tree of `TreeNode`s. Leaves end where an entry name's
 CRC-32 hits a boundary pattern (content-defined, so an insert or delete moves
 only nearby boundaries), and no node holds more than `MAX_FANOUT` items. A
 one-entry change in a 100k-entry directory therefore rewrites one leaf and the
-few index nodes above it.
+few index nodes above it. Every node written records how many hard-linked
+files lie under each of its items, so `link_group` reads only the paths that
+lead to linked files.
 
 This module works on any object source with `get_object`; it never touches
 packs or the index directly.
@@ -23,9 +25,11 @@ from strata.engine.errors import InvalidInput, NotFound
 from strata.engine.objects import (
     EMPTY_TREE_ID,
     K_DIR,
+    K_FILE,
     TREE,
     Entry,
     TreeNode,
+    entry_links,
     object_id,
 )
 
@@ -33,6 +37,8 @@ TARGET_FANOUT = 64
 BOUNDARY_MASK = TARGET_FANOUT - 1
 MAX_FANOUT = 256
 T = TypeVar("T", bound=tuple[Any, ...])
+# What a node's builder hands up: (first name, node id, entry count, linked files or None).
+Item = tuple[bytes, bytes, int, int | None]
 
 
 class ObjectSource(Protocol):
@@ -202,25 +208,60 @@ class Trees:
             if e.kind == K_DIR:
                 yield from self.walk(e, path)
 
+    def link_group(self, root: Entry, ino: int, prefix: str = ""
+                   ) -> Iterator[tuple[str, Entry]]:
+        """Every file of hard-link group `ino` below directory `root`, in no set order.
+
+        Reads only the nodes whose counts say a linked file lies below (or
+        do not say: version 1 nodes), so the cost follows the paths to
+        linked files, not the size of the tree. Counts are only as honest as
+        whoever wrote the nodes: callers that know the group's size check
+        what they found against it (Transaction falls back to `walk`).
+        """
+        if root.kind != K_DIR or root.ref is None:
+            return
+        stack = [(root.ref, prefix)]
+        while stack:
+            oid, path = stack.pop()
+            node = self.node(oid)
+            if node.level:
+                stack.extend((c[1], path) for c, n in zip(node.children, node.item_links,
+                                                          strict=True) if n != 0)
+                continue
+            for (name, e), n in zip(node.entries, node.item_links, strict=True):
+                if n == 0:
+                    continue
+                sub = f"{path}/{decode_name(name)}" if path else decode_name(name)
+                if e.kind == K_FILE and e.ino == ino:
+                    yield sub, e
+                elif e.kind == K_DIR and e.ref is not None:
+                    stack.append((e.ref, sub))
+
     # -- writing -------------------------------------------------------------
+
+    def _links(self, e: Entry) -> int | None:
+        return entry_links(e, self.node)
+
+    def _leaf(self, chunk: Sequence[tuple[bytes, Entry, int | None]]) -> Item:
+        leaf = TreeNode(0, entries=tuple((n, e) for n, e, _l in chunk),
+                        links=tuple(n for _n, _e, n in chunk))
+        return chunk[0][0], self._store(leaf), len(chunk), leaf.linked
+
+    def _inner(self, level: int, chunk: Sequence[Item]) -> Item:
+        node = TreeNode(level, children=tuple((f, c, n) for f, c, n, _l in chunk),
+                        links=tuple(n for _f, _c, _n, n in chunk))
+        return chunk[0][0], self._store(node), node.count, node.linked
 
     def build(self, entries: Sequence[tuple[bytes, Entry]]) -> bytes:
         """Store a directory from entries sorted by name; return its root node id."""
         if not entries:
             return EMPTY_TREE_ID
-        level_items: list[tuple[bytes, bytes, int]] = []
-        for chunk in _chunk(entries, 0):
-            node = TreeNode(0, entries=tuple(chunk))
-            level_items.append((chunk[0][0], self._store(node), len(chunk)))
-        return self._build_up(level_items, 1)
+        items = [(n, e, self._links(e)) for n, e in entries]
+        return self._build_up([self._leaf(chunk) for chunk in _chunk(items, 0)], 1)
 
-    def _build_up(self, items: list[tuple[bytes, bytes, int]], level: int) -> bytes:
+    def _build_up(self, items: list[Item], level: int) -> bytes:
         while len(items) > 1:
-            nxt: list[tuple[bytes, bytes, int]] = []
-            for chunk in _chunk(items, level):
-                node = TreeNode(level, children=tuple(chunk))
-                nxt.append((chunk[0][0], self._store(node), node.count))
-            items = nxt
+            items = [self._inner(level, chunk) for chunk in _chunk(items, level)]
             level += 1
         return items[0][1]
 
@@ -239,36 +280,29 @@ class Trees:
             node = self.node(new_id)
         return new_id
 
-    def _update(self, node: TreeNode, edits: list[tuple[bytes, Entry | None]]
-                ) -> list[tuple[bytes, bytes, int]]:
+    def _update(self, node: TreeNode, edits: list[tuple[bytes, Entry | None]]) -> list[Item]:
         if node.level == 0:
-            merged = dict(node.entries)
+            merged = {n: (e, links) for (n, e), links in zip(node.entries, node.item_links,
+                                                                strict=True)}
             for name, e in edits:
                 if e is None:
                     merged.pop(name, None)
                 else:
-                    merged[name] = e
-            out = []
-            for chunk in _chunk(sorted(merged.items()), 0):
-                leaf = TreeNode(0, entries=tuple(chunk))
-                out.append((chunk[0][0], self._store(leaf), len(chunk)))
-            return out
+                    merged[name] = (e, self._links(e))
+            rows = [(n, e, links) for n, (e, links) in sorted(merged.items())]
+            return [self._leaf(chunk) for chunk in _chunk(rows, 0)]
         firsts = [c[0] for c in node.children]
         groups: dict[int, list[tuple[bytes, Entry | None]]] = {}
         for name, e in edits:
             i = max(bisect.bisect_right(firsts, name) - 1, 0)
             groups.setdefault(i, []).append((name, e))
-        children: list[tuple[bytes, bytes, int]] = []
-        for i, child in enumerate(node.children):
+        children: list[Item] = []
+        for i, (child, links) in enumerate(zip(node.children, node.item_links, strict=True)):
             if i in groups:
                 children.extend(self._update(self.node(child[1]), groups[i]))
             else:
-                children.append(child)
-        out = []
-        for kids in _chunk(children, node.level):
-            inner = TreeNode(node.level, children=tuple(kids))
-            out.append((kids[0][0], self._store(inner), inner.count))
-        return out
+                children.append((*child, links))
+        return [self._inner(node.level, kids) for kids in _chunk(children, node.level)]
 
     def apply(self, root: Entry, changes: Sequence[tuple[tuple[str, ...], Entry | None]],
               *, merge_time: Callable[[int, int], int] = max) -> Entry:

@@ -269,11 +269,19 @@ class Transaction:
         self.identical = False  # accept paths the head already holds as we want them
         self.changes: dict[str, Entry | None] = {}
         self._children: dict[str, set[str]] = {}
+        # Changed paths that may hold link group members: linked files, and
+        # directories set with a tree of their own (a rename). See `_group`.
+        self._linked_changes: set[str] = set()
 
     # -- the view ----------------------------------------------------------------
 
     def _set(self, key: str, e: Entry | None) -> None:
         self.changes[key] = e
+        if key and e is not None and (e.ino and e.kind == K_FILE
+                                      or e.kind == K_DIR and e.ref is not None):
+            self._linked_changes.add(key)
+        else:
+            self._linked_changes.discard(key)
         if key:
             parent, _, name = key.rpartition("/")
             self._children.setdefault(parent, set()).add(name)
@@ -282,6 +290,7 @@ class Transaction:
         prefix = key + "/" if key else ""
         for k in [k for k in self.changes if k.startswith(prefix) and k != key]:
             del self.changes[k]
+            self._linked_changes.discard(k)
         for k in [k for k in self._children if k == key or k.startswith(prefix)]:
             del self._children[k]
 
@@ -348,16 +357,44 @@ class Transaction:
     def _put_file(self, path: str, new: Entry) -> Entry:
         """Set a file entry, keeping every member of its hard-link group in step."""
         if new.ino:
-            for other, e in list(self._group(new.ino)):
+            for other, _e in self._group(new.ino, new.nlink):
                 if other != path:
-                    self._set(other, new.with_(xattrs=new.xattrs) if e is not None else new)
+                    self._set(other, new)
         self._set(path, new)
         return new
 
-    def _group(self, ino: int) -> Iterator[tuple[str, Entry]]:
-        for p, e in self.walk(""):
-            if e.kind == K_FILE and e.ino == ino:
-                yield p, e
+    def _group(self, ino: int, nlink: int) -> list[tuple[str, Entry]]:
+        """The members of hard-link group `ino` in this transaction's view, by path.
+
+        Candidates come from the base tree and from the trees this
+        transaction set (a renamed directory), both searched only where
+        their nodes count linked files, and from the files it set; each is
+        then looked up, so only what the view shows counts. If that finds
+        other than the `nlink` members the group's entries claim, some count
+        or entry is wrong (a hostile upload, data from before counts): the
+        whole view is walked instead, as before counts existed, so a member
+        is never left out of step silently.
+        """
+        found: dict[str, None] = {}
+        for p, _e in self.trees.link_group(self.base_root, ino):
+            found[p] = None
+        for key in self._linked_changes:
+            e = self.changes.get(key)
+            if e is None:
+                continue
+            if e.kind == K_DIR:
+                for p, _e in self.trees.link_group(e, ino, key):
+                    found[p] = None
+            elif e.ino == ino:
+                found[key] = None
+        members = []
+        for p in found:
+            e = self.lookup(p)
+            if e is not None and e.kind == K_FILE and e.ino == ino:
+                members.append((p, e))
+        if len(members) != nlink:
+            members = [(p, e) for p, e in self.walk("") if e.kind == K_FILE and e.ino == ino]
+        return sorted(members)
 
     def write(self, path: str, data: bytes, *, mode: int | None = None,
               mtime_ns: int | None = None, uid: int | None = None,
@@ -445,7 +482,7 @@ class Transaction:
         if self._resolve(parts) is not None:
             raise AlreadyExists(f"{dst!r} already exists")
         ino = e.ino or link_group(encode_name(f"{src}\0{time.time_ns()}"))
-        members = [p for p, _ in self._group(e.ino)] if e.ino else [src]
+        members = [p for p, _ in self._group(e.ino, e.nlink)] if e.ino else [src]
         new = e.with_(ino=ino, nlink=len(members) + 1)
         for p in members:
             self._set(p, new)
@@ -490,7 +527,7 @@ class Transaction:
             self._set(path, None)
 
     def _unlink_member(self, path: str, e: Entry) -> None:
-        rest = [p for p, _ in self._group(e.ino) if p != path]
+        rest = [p for p, _ in self._group(e.ino, e.nlink) if p != path]
         for p in rest:
             self._set(p, e.with_(nlink=len(rest), ino=e.ino if len(rest) > 1 else 0))
 
@@ -578,6 +615,7 @@ class Transaction:
         self._base_root = None
         self.changes.clear()
         self._children.clear()
+        self._linked_changes.clear()
 
     @property
     def base_root(self) -> Entry:

@@ -141,8 +141,13 @@ def _check_structure(kind: int, raw: bytes, oid: bytes) -> None:
             return
         v = unpackb(raw)
         if kind == TREE:
+            # Version 1 is [level, items], version 2 [2, level, items, links]
+            # (docs/format.md "Tree node"); the decoder checks the links.
+            if isinstance(v, list) and len(v) == 4 and v[0] == 2:
+                v = v[1:3]
             if not (isinstance(v, list) and len(v) == 2 and is_int(v[0])
                     and isinstance(v[1], list)):
+                TreeNode.decode(raw)  # names an unknown version, if that is what it is
                 raise TypeError("malformed tree node")
             prev = None
             for x in v[1]:

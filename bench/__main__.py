@@ -16,6 +16,7 @@ from bench import (
     fleet,
     gc,
     image,
+    links,
     mount,
     sandbox,
     scale,
@@ -44,7 +45,7 @@ def main() -> None:
                             "workspace,dedup,image,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
                          "steps, sandbox, boot, ui, speed, workspace, dedup, image, day, scale, "
-                         "fleet; scale and fleet are left out of the default)")
+                         "fleet, links; scale, fleet and links are left out of the default)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -60,6 +61,8 @@ def main() -> None:
         rows += ui.run(args.dir, quick=args.quick)
     if "fleet" in groups:
         rows += fleet.run(args.dir, quick=args.quick)
+    if "links" in groups:
+        rows += links.run(args.dir, quick=args.quick)
     if rows:
         print_table("strata engine, server and bucket benchmarks (baselines from the same run)",
                     rows)

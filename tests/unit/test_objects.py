@@ -229,5 +229,6 @@ def test_a_version_2_leaf_whose_file_counts_lie_is_refused() -> None:
     linked = Entry(kind=K_FILE, size=1, data=b"x", ino=5, nlink=2)
     with pytest.raises(ValueError, match="counts 0 linked files"):
         TreeNode.decode(packb([2, 0, [[b"a", *linked.to_list()]], [0]]))
-    with pytest.raises(ValueError, match="link counts do not match"):
-        TreeNode.decode(packb([2, 0, [[b"a", *linked.to_list()]], [1, 1]]))
+    for links in ([1, 1], [True], [-1], [2**63], ["1"]):
+        with pytest.raises(ValueError, match="link counts do not match"):
+            TreeNode.decode(packb([2, 0, [[b"a", *linked.to_list()]], links]))

@@ -367,3 +367,46 @@ def test_a_file_and_its_blocks_in_one_round_trip(server: Server) -> None:
             lean._lean_call("get_file", *bad)
     lean.close()
     http.close()
+
+
+def test_a_write_into_an_unread_directory_fetches_its_path_in_one_round_trip(
+        server: Server) -> None:
+    from strata.engine.errors import InvalidInput
+    from strata.engine.objects import TREE, TreeNode, object_id
+    rs = _lean_only(server)
+    t = Transaction(rs, "v")
+    for d in range(3):
+        t.mkdir(f"d{d}")
+        for f in range(300):  # several leaves under an inner node
+            t.write(f"d{d}/f{f:03}", b"%d" % f)
+    t.commit()
+    rs.close()
+    cold = _lean_only(server)  # nothing cached: every node is read from the server
+    ops: list[str] = []
+    real = cold._lean_call
+
+    def counted(*request: Any) -> Any:
+        ops.append(str(request[0]))
+        return real(*request)
+
+    cold._lean_call = counted  # type: ignore[method-assign]
+    t = Transaction(cold, "v")
+    ops.clear()
+    t.write("d1/new", b"new")
+    assert ops == ["get_path"]  # the root's leaf, d1's inner node and the leaf for "new"
+    assert t.read("d1/f150") == b"150"
+    assert ops == ["get_path", "get"]  # another leaf of d1
+    t.commit()
+    assert Transaction(_http_only(server), "v").read("d1/new") == b"new"
+    # What it answers: each node under its own id, the root first.
+    root = cold.snapshot(cold.head("v", "live")).root.ref
+    assert root is not None
+    got = real("get_path", root, [b"d2", b"f007"])
+    assert [object_id(TREE, raw) for _oid, raw in got] == [oid for oid, _raw in got]
+    assert got[0][0] == root and TreeNode.decode(got[-1][1]).level == 0
+    assert len(got) >= 3  # the root's leaf, then d2's inner node and a leaf
+    snap = bytes.fromhex(cold.head("v", "live"))
+    for bad in ([snap, [b"x"]], [root, [b"x"] * 5000], [root, ["str"]], [b"\1" * 32, [b"x"]]):
+        with pytest.raises((InvalidInput, NotFound)):
+            real("get_path", *bad)
+    cold.close()

@@ -127,6 +127,15 @@ class Store(ABC):
         """Several objects at once (one round trip for a remote store)."""
         return [self.get_object(oid) for oid in ids]
 
+    def prefetch_path(self, tree: bytes, names: Sequence[bytes]) -> None:
+        """A hint: the tree nodes from directory node `tree` down `names` are read next.
+
+        A remote store fetches them in one round trip, so that a publish into
+        a directory it has not read costs one round trip, not one a node;
+        this one reads on demand and does nothing here.
+        """
+        return None
+
     def get_file(self, ref: bytes, offset: int, end: int
                  ) -> tuple[FileNode, dict[bytes, bytes]]:
         """A file's root node, and by id the nodes below it and the chunks covering [offset, end).

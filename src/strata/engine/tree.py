@@ -96,10 +96,14 @@ class Trees:
     them; reads see them too, so a batch of updates can build on itself.
     """
 
-    def __init__(self, source: ObjectSource, cache: NodeCache | None = None) -> None:
+    def __init__(self, source: ObjectSource, cache: NodeCache | None = None, *,
+                 prefetch: Callable[[bytes, list[bytes]], None] | None = None) -> None:
         self.source = source
         self.cache = cache if cache is not None else NodeCache()
         self.new: dict[bytes, bytes] = {}
+        # Called with (directory node, names below it) when `resolve_changed` is
+        # about to read a node it lacks: a remote source fetches the path at once.
+        self.prefetch = prefetch
 
     # -- nodes ---------------------------------------------------------------
 
@@ -187,6 +191,9 @@ class Trees:
         for i, name in enumerate(parts):
             if cur is None or cur.kind != K_DIR:
                 return None
+            if (self.prefetch is not None and cur.ref is not None and cur.ref not in self.new
+                    and self.cache.get(cur.ref) is None):
+                self.prefetch(cur.ref, [encode_name(p) for p in parts[i:]])
             under = self.child(cur, encode_name(name))
             key = "/".join(parts[:i + 1])
             if key not in changes or (skip_last and i == len(parts) - 1):

@@ -261,7 +261,8 @@ class Transaction:
         self.branch = check_branch(branch)
         self.base = base if base is not None else store.protected_head(volume, branch)
         self.content = ContentWriter(store)
-        self.trees = Trees(self.content, cache if cache is not None else store.node_cache)
+        self.trees = Trees(self.content, cache if cache is not None else store.node_cache,
+                           prefetch=self._prefetch)
         if base is not None:
             store.protect_base(base)  # garbage collection leaves it until our publish lands
         self._base_root: Entry | None = store.snapshot(self.base).root
@@ -274,6 +275,10 @@ class Transaction:
         self._linked_changes: set[str] = set()
 
     # -- the view ----------------------------------------------------------------
+
+    def _prefetch(self, tree: bytes, names: list[bytes]) -> None:
+        if tree not in self.content.pending:  # the store has not seen it yet
+            self.store.prefetch_path(tree, names)
 
     def _set(self, key: str, e: Entry | None) -> None:
         self.changes[key] = e
@@ -311,6 +316,9 @@ class Transaction:
     def _need_dir_parent(self, parts: tuple[str, ...]) -> None:
         if not parts:
             raise InvalidInput("operation not allowed on the volume root")
+        # Every caller looks the path itself up next: resolving it first reads all
+        # of it in one round trip from a remote store (Store.prefetch_path).
+        self._resolve(parts)
         parent = self._resolve(parts[:-1])
         if parent is None:
             raise NotFound(f"parent directory of {'/'.join(parts)!r} does not exist")

@@ -31,6 +31,7 @@ Rules, as on the HTTP side:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import socket
@@ -45,7 +46,16 @@ import msgpack
 from strata.engine.errors import InvalidInput, StrataError, Unavailable
 from strata.engine.local import LocalStore
 from strata.engine.names import check_branch, check_hex_id, check_volume, split_path
-from strata.engine.objects import FILENODE, ID_LEN, K_DIR, K_SYMLINK, Entry, FileNode
+from strata.engine.objects import (
+    FILENODE,
+    ID_LEN,
+    K_DIR,
+    K_SYMLINK,
+    TREE,
+    Entry,
+    FileNode,
+    TreeNode,
+)
 from strata.engine.tree import Trees
 from strata.server import app as api
 from strata.server import wire
@@ -64,6 +74,7 @@ log = logging.getLogger(__name__)
 FRAME = struct.Struct(">I")
 MAX_CONNECTIONS = 256  # connections served at once (a thread each)
 MAX_LIST_PATHS = 16   # paths one `list` looks up
+MAX_PATH_NAMES = 2048  # names one `get_path` follows (a 4 KiB path has at most 2,048)
 LISTED_ENTRY_BYTES = 64  # an entry of a `list` answer without its name, about (for the budget)
 IO_TIMEOUT = 60.0     # a frame started must arrive within this (an idle connection may wait)
 
@@ -183,6 +194,8 @@ class LeanServer:
         if (op == "get_file" and len(args) == 3 and isinstance(args[1], int)
                 and isinstance(args[2], int)):
             return self._get_file(_oid(args[0]), args[1], args[2], answer_held)
+        if op == "get_path" and len(args) == 2 and isinstance(args[1], list):
+            return self._get_path(_oid(args[0]), args[1], answer_held)
         if op == "list" and len(args) == 4:
             return self._list(*args, answer_held=answer_held)
         raise InvalidInput(f"no lean operation {op!r} taking these arguments")
@@ -249,6 +262,53 @@ class LeanServer:
             raise InvalidInput(f"{ref.hex()} is not a file node") from None
         self._served(1, len(raw))
         return [raw, self._read_fitting(store, want, len(raw), answer_held)]
+
+    def _get_path(self, oid: bytes, names: list[Any],
+                  answer_held: contextlib.ExitStack) -> list[list[bytes]]:
+        """`[id, raw]` of the tree nodes a lookup of `names` below directory node `oid` reads.
+
+        For each name, the nodes from the directory's root node to the leaf
+        that holds (or would hold) it; then on into that entry's directory,
+        until a name is missing or is no directory. As many as fit one
+        answer. The nodes are decoded here and kept in the store's node
+        cache, where the publish that usually follows finds them.
+        """
+        if len(names) > MAX_PATH_NAMES or not all(isinstance(n, bytes) for n in names):
+            raise InvalidInput(f"get_path takes at most {MAX_PATH_NAMES} names, as bins")
+        store = self.state.need_store()
+        if store.object_kind(oid) != TREE:
+            raise InvalidInput(f"{oid.hex()} is not a tree node")
+        cache = store.node_cache
+        out: list[list[bytes]] = []
+        total = 0
+        cur: bytes | None = oid
+        for name in names:
+            node_id = cur
+            while node_id is not None:
+                raw = store.get_object(node_id)
+                if total + len(raw) > MAX_BATCH_ANSWER and out:
+                    cur = None
+                    break
+                total += len(raw)
+                out.append([node_id, raw])
+                node = cache.get(node_id)
+                if node is None:  # decoded once, for this answer and the publish after it
+                    try:
+                        node = TreeNode.decode(raw)
+                    except (ValueError, TypeError, KeyError, IndexError):
+                        raise InvalidInput(f"{node_id.hex()} is not a tree node") from None
+                    cache.put(node_id, node)
+                if node.level == 0:
+                    e = dict(node.entries).get(name)
+                    cur = e.ref if e is not None and e.kind == K_DIR else None
+                    break
+                firsts = [c[0] for c in node.children]
+                node_id = node.children[max(bisect.bisect_right(firsts, name) - 1, 0)][1]
+            if cur is None:
+                break
+        answer_held.enter_context(self.answers.hold(total))
+        self._served(len(out), total)
+        return out
 
     def _publish(self, body: bytes) -> dict[str, Any]:
         heads, prefetch = api.publish_now(self.state, OWNER, wire.decode_publish(body))

@@ -70,10 +70,18 @@ def _once(store: LocalStore, volume: str, cls: type[Transaction], i: int
     return dt, reads
 
 
-def _measure(store: LocalStore, volume: str, cls: type[Transaction], reps: int
-             ) -> tuple[float, int]:
-    runs = [_once(store, volume, cls, i) for i in range(reps)]
-    return statistics.median(r[0] for r in runs), max(r[1] for r in runs)
+def _measure(store: LocalStore, work: list[tuple[str, type[Transaction]]], reps: int
+             ) -> list[tuple[float, int]]:
+    """Median seconds and most objects read of each (volume, kind of transaction).
+
+    The runs take turns, so a burst of load on the shared machine falls on
+    every figure alike rather than on one.
+    """
+    runs: list[list[tuple[float, int]]] = [[] for _w in work]
+    for i in range(reps):
+        for j, (volume, cls) in enumerate(work):
+            runs[j].append(_once(store, volume, cls, i))
+    return [(statistics.median(r[0] for r in rs), max(r[1] for r in rs)) for rs in runs]
 
 
 def _local(work: str, files: int, reps: int) -> float:
@@ -100,16 +108,16 @@ def _local(work: str, files: int, reps: int) -> float:
 
 def run(root: str, quick: bool = False) -> list[dict[str, Any]]:
     n = 1_000 if quick else 5_000
-    reps = 5 if quick else 9
+    reps = 9 if quick else 21
     work = tempfile.mkdtemp(prefix="strata-bench-links-", dir=root)
     try:
         init_store(os.path.join(work, "store"))
         with LocalStore(os.path.join(work, "store")) as store:
             _build(store, "small", n)
             _build(store, "large", 10 * n)
-            small_t, small_r = _measure(store, "small", Transaction, reps)
-            large_t, large_r = _measure(store, "large", Transaction, reps)
-            walk_t, walk_r = _measure(store, "large", WalkingTransaction, max(3, reps // 3))
+            (small_t, small_r), (large_t, large_r) = _measure(
+                store, [("small", Transaction), ("large", Transaction)], reps)
+            ((walk_t, walk_r),) = _measure(store, [("large", WalkingTransaction)], 3)
         local_t = _local(work, 10 * n, reps)
     finally:
         shutil.rmtree(work, ignore_errors=True)

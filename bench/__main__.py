@@ -44,7 +44,8 @@ def main() -> None:
                             "workspace,dedup,image,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
                          "steps, sandbox, boot, ui, speed, workspace, dedup, image, day, scale, "
-                         "fleet; scale and fleet are left out of the default)")
+                         "fleet, fleet-move; scale and the fleet's are left out of the "
+                         "default; fleet includes fleet-move)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -60,6 +61,8 @@ def main() -> None:
         rows += ui.run(args.dir, quick=args.quick)
     if "fleet" in groups:
         rows += fleet.run(args.dir, quick=args.quick)
+    elif "fleet-move" in groups:
+        rows += fleet.run_move(args.dir, quick=args.quick)
     if rows:
         print_table("strata engine, server and bucket benchmarks (baselines from the same run)",
                     rows)

@@ -271,3 +271,40 @@ def test_two_members_sharing_the_work_do_not_ping_pong(fleet: Fleet) -> None:
     assert len(owners) > 60
     assert fleet.owner("s1") == owner, fleet.logs()
     assert set(owners) == {owner}
+
+
+def test_the_move_policy_needs_a_share_a_count_and_a_cooldown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import strata.fleet.traffic as traffic
+    now = [1000.0]
+    monkeypatch.setattr(traffic, "clock", lambda: now[0])
+    t = traffic.Traffic(traffic.MovePolicy(share=0.8, window=10, min_requests=50,
+                                           cooldown=60))
+    t.reset("s")
+
+    def feed(seconds: int, per_second: dict[str, int]) -> None:
+        for _ in range(seconds):
+            now[0] += 1
+            for origin, n in per_second.items():
+                for _ in range(n):
+                    t.note("s", origin)
+    feed(30, {"b": 10})
+    assert t.target("s", "a") is None           # held 30 s: inside the cooldown
+    feed(40, {"b": 10})
+    assert t.target("s", "a") == "b"            # 100 % from b over the window
+    feed(20, {"b": 7, "c": 3})
+    assert t.target("s", "a") is None           # 70 %: short of the share
+    feed(20, {"b": 9, "a": 1})
+    assert t.target("s", "a") == "b"            # 90 %
+    feed(20, {"a": 10})
+    assert t.target("s", "a") is None           # the owner's own work keeps it
+    feed(20, {"b": 4})
+    assert t.target("s", "a") is None           # 40 in the window: too few to judge
+    t.reset("s")                                 # claimed afresh: counts and cooldown restart
+    assert t.counts("s") == {} and t.target("s", "a") is None
+    off = traffic.Traffic(traffic.MovePolicy(enabled=False))
+    off.reset("s")
+    now[0] += 100
+    for _ in range(100):
+        off.note("s", "b")
+    assert off.target("s", "a") is None

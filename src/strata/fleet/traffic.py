@@ -68,7 +68,7 @@ class Traffic:
         total: Counter[str] = Counter()
         cutoff = clock() - self.policy.window
         for sec, c in self._buckets.get(store, ()):
-            if sec >= cutoff:
+            if sec > cutoff:
                 total.update(c)
         return total
 

@@ -559,6 +559,8 @@ class Member:
         store = request.headers.get("X-Strata-Store")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         origin = request.headers.get("X-Strata-Forwarded")
+        if origin is not None:
+            origin = origin[:128]  # a member name; only counted (fleet/traffic.py)
         if origin is None:
             # From a client: the volume catalog places it (or answers it: create, list).
             placed = await self.front.route(request, body, store)

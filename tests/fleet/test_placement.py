@@ -88,9 +88,13 @@ def test_the_catalog_places_volumes_and_any_member_routes_them(fleet: Fleet) -> 
     assert done.returncode == 0, done.stderr.decode()
     assert catalog.get("pinned").store == other  # type: ignore[union-attr]
     assert strata("--fleet", b, "ls", "pinned").returncode == 0
-    # A name is one volume in the whole fleet.
+    # A name is one volume in the catalog; a store named outright keeps its own names.
     again = strata("--fleet", b, "volume", "create", vols["s1"])
     assert again.returncode != 0 and b"exists" in again.stderr.lower(), again.stderr
+    twin = strata("--fleet", b, "--fleet-store", "s2", "volume", "create", vols["s1"])
+    assert twin.returncode == 0, twin.stderr.decode()
+    assert catalog.get(vols["s1"]).store == "s1"  # type: ignore[union-attr]
+    assert strata("--fleet", a, "cat", vols["s1"], "f.txt").stdout == b"in s1\n"
     # Deleted: gone from the list; created again, it goes back to the same store.
     gone = strata("--fleet", a, "volume", "delete", "--yes", vols["s2"])
     assert gone.returncode == 0, gone.stderr.decode()

@@ -16,7 +16,9 @@ Three requests are answered here rather than by one store:
   create to the record's store again, so the name is completed, not blocked.
   Two creators at once: one writes the record, both send the create to the
   same store, and the store's own create lets one win; the other gets
-  `AlreadyExists`.
+  `AlreadyExists`. A create that names its store (`X-Strata-Store`) for a
+  name the catalog places elsewhere is made in that store, outside the
+  catalog: a store's names are its own, and it is reached by naming it.
 - `GET /v1/volumes` lists the catalog: `ready` records, and `creating` or
   `deleting` ones whose store says the volume exists.
 - `DELETE /v1/volumes/<volume>`: the record made `deleting`, the volume
@@ -137,11 +139,18 @@ class VolumeFront:
             raise InvalidInput("name the volume: {\"name\": ...}")
         name = check_volume(name)
         stores = sorted(self.member.catalog)
+        if not stores:  # a member just started, before its first scan
+            stores = sorted(await self._run(self.member.records.stores))
         if store is not None and store not in stores:
             raise NotFound(f"no store {store} in the fleet")
         p, _mine = await self._run(self.catalog.create, name, store or place(name, stores))
         if store is not None and p.store != store:
-            raise AlreadyExists(f"volume {name} is placed in store {p.store}")
+            # A store named outright holds its own names: the catalog keeps naming
+            # the first, and this one is reached with the store named.
+            out = await self.member.forward(store, "POST", request.path_qs,
+                                            self._headers(request), body)
+            out.headers["X-Strata-Store"] = store
+            return out
         self.cache[name] = p
         out = await self.member.forward(p.store, "POST", request.path_qs,
                                         self._headers(request), body)

@@ -45,7 +45,8 @@ def main() -> None:
                             "workspace,dedup,image,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
                          "steps, sandbox, boot, ui, speed, workspace, dedup, image, day, scale, "
-                         "fleet, links; scale, fleet and links are left out of the default)")
+                         "fleet, fleet-move, links; scale, links and the fleet's are left "
+                         "out of the default; fleet includes fleet-move)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -61,6 +62,8 @@ def main() -> None:
         rows += ui.run(args.dir, quick=args.quick)
     if "fleet" in groups:
         rows += fleet.run(args.dir, quick=args.quick)
+    elif "fleet-move" in groups:
+        rows += fleet.run_move(args.dir, quick=args.quick)
     if "links" in groups:
         rows += links.run(args.dir, quick=args.quick)
     if rows:

@@ -8,6 +8,12 @@
   the gap is the longest wait between two acknowledgements around the move.
 - routing: the same small read (list branches) through the owner and
   through a member that forwards to it; p50 of each and the difference.
+- moving to the work: on a fresh two-member fleet whose move policy is
+  quick (2 s window, 20 requests, 15 s cooldown), a 4 KiB publish through
+  the member that does not own the store, until the store moves to it, then
+  through it again (after 3 s of warm-up: the new owner restored without
+  downloading); each interleaved with the same publish straight to the
+  current owner's own unix socket, the baseline.
 
 moto runs on loopback and shares the two cores with the three members.
 """
@@ -30,6 +36,7 @@ from bench.report import row
 from strata.engine.errors import StrataError
 from strata.engine.txn import Transaction
 from strata.fleet.client import FleetStore
+from strata.server.client import RemoteStore, default_socket
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fleet"))
@@ -145,6 +152,103 @@ def bench_routing(fleet: Fleet, n: int) -> tuple[float, float]:
     return _pct(times["owner"], 0.5), _pct(times["other"], 0.5)
 
 
+MOVE_ENV = {"STRATA_FLEET_MOVE_WINDOW": "2", "STRATA_FLEET_MOVE_MIN": "20",
+            "STRATA_FLEET_MOVE_COOLDOWN": "15"}
+
+
+def _publish_4k(store: RemoteStore, n: int) -> float:
+    t = time.perf_counter()
+    txn = Transaction(store, "w")
+    txn.write(f"f{n % 64}", os.urandom(4096))
+    txn.commit()
+    return time.perf_counter() - t
+
+
+def bench_move_to_work(fleet: Fleet, n: int) -> dict[str, list[float]]:
+    """4 KiB publishes via the non-owner, before and after the store moves to it."""
+    owner = fleet.owner("m", 60)
+    other = next(name for name in fleet.members if name != owner)
+    via = FleetStore([fleet.members[other].addr], retry_for=30.0)
+    via.create_volume("w")
+    times: dict[str, list[float]] = {"before": [], "before_direct": [], "after": [],
+                                     "after_direct": []}
+
+    def direct(member: str) -> RemoteStore:
+        return RemoteStore("unix:" + default_socket(str(fleet.members[member].dir / "stores"
+                                                        / "m")))
+    here = direct(owner)
+    i = 0
+    deadline = time.monotonic() + 120
+    try:
+        while True:  # before: until the store moved (samples served elsewhere only)
+            took = _publish_4k(via, i)
+            i += 1
+            moved = getattr(via.last, "owner", None) == other
+            if moved:
+                break
+            if len(times["before"]) < n:
+                times["before"].append(took)
+                try:
+                    times["before_direct"].append(_publish_4k(here, i))
+                except StrataError:
+                    pass  # the owner is handing it over right now
+            if time.monotonic() > deadline:
+                raise RuntimeError("the store did not move to the member doing its work"
+                                   + fleet.logs())
+        here.close()
+        here = direct(other)
+        # The new owner restored without downloading: its first publishes fetch the
+        # volume's tree from the bucket. Steady state is what the move is for.
+        warm = time.monotonic() + 3.0
+        while time.monotonic() < warm:
+            _publish_4k(via, i)
+            _publish_4k(here, i + 1)
+            i += 2
+        for _ in range(n):
+            times["after"].append(_publish_4k(via, i))
+            times["after_direct"].append(_publish_4k(here, i + 1))
+            i += 2
+    finally:
+        here.close()
+        via.close()
+    return times
+
+
+def run_move_to_work(work: str, moto: Moto, quick: bool) -> list[dict[str, Any]]:
+    os.makedirs(Path(work) / "move", exist_ok=True)
+    fleet = Fleet(f"s3://{BUCKET}/fleet-move", Path(work) / "move", {**moto.env(), **MOVE_ENV})
+    rows: list[dict[str, Any]] = []
+    try:
+        fleet.records.add_store("m")
+        for name in ("d", "e"):
+            fleet.add(name)
+        t = bench_move_to_work(fleet, 50 if quick else 200)
+        for phase, what in (("before", "via a non-owner member, before the move"),
+                            ("after", "via the same member, after the store moved to it")):
+            for q in (0.5, 0.99):
+                v, base = _pct(t[phase], q), _pct(t[f"{phase}_direct"], q)
+                rows.append(row(f"fleet: 4 KiB publish {what} p{int(q * 100)} "
+                                f"({len(t[phase])})", v * 1e3, "ms", base * 1e3,
+                                "the owner's unix socket", "", met=None))
+    finally:
+        fleet.close()
+    return rows
+
+
+def run_move(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
+    """Only the move to the work (`python -m bench --only fleet-move`)."""
+    work = os.path.join(root, "strata-bench-fleet")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    moto = Moto(Path(work)).start()
+    os.environ.update(moto.env())
+    os.environ.setdefault("STRATA_FLEET_TOKEN", secrets.token_hex(16))
+    try:
+        return run_move_to_work(work, moto, quick)
+    finally:
+        moto.stop()
+
+
 def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
     work = os.path.join(root, "strata-bench-fleet")
     shutil.rmtree(work, ignore_errors=True)
@@ -152,9 +256,11 @@ def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
     moto = Moto(Path(work)).start()
     os.environ.update(moto.env())
     os.environ.setdefault("STRATA_FLEET_TOKEN", secrets.token_hex(16))  # members and clients
-    fleet = Fleet(f"s3://{BUCKET}/fleet", Path(work), moto.env())
+    # Moving to the work is off here: these figures time one owner at a time.
+    fleet = Fleet(f"s3://{BUCKET}/fleet", Path(work), {**moto.env(), "STRATA_FLEET_MOVE": "0"})
     rows: list[dict[str, Any]] = []
     try:
+        rows += run_move_to_work(work, moto, quick)
         fleet.records.add_store("s", "bucket")
         for name in ("a", "b", "c"):
             fleet.add(name)

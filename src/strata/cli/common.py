@@ -90,12 +90,10 @@ def open_remote(args: argparse.Namespace) -> Iterator[RemoteStore]:
     token = getattr(args, "token", None) or os.environ.get("STRATA_TOKEN") or None
     members = getattr(args, "fleet", None) or os.environ.get("STRATA_FLEET")
     if url is None and members:
-        from strata.engine.errors import InvalidInput
         from strata.fleet.client import FleetStore
+        # No store named: the fleet's catalog places each volume (fleet/front.py).
         name = getattr(args, "fleet_store", None) or os.environ.get("STRATA_FLEET_STORE")
-        if not name:
-            raise InvalidInput("--fleet needs --fleet-store STORE (or $STRATA_FLEET_STORE)")
-        fleet = FleetStore([m for m in members.split(",") if m], name,
+        fleet = FleetStore([m for m in members.split(",") if m], name or None,
                            token=os.environ.get("STRATA_FLEET_TOKEN") or None)
         try:
             yield fleet

@@ -78,7 +78,33 @@ def _post(addr: str, path: str, payload: Any, timeout: float = 60.0) -> Any:
         return json.loads(resp.read())
 
 
+def move_policy() -> Any:
+    """The move policy's settings: defaults, or $STRATA_FLEET_MOVE_* (docs/fleet.md)."""
+    from strata.engine.errors import InvalidInput
+    from strata.fleet.traffic import MovePolicy
+    env = os.environ
+    try:
+        return MovePolicy(
+            share=float(env.get("STRATA_FLEET_MOVE_SHARE", MovePolicy.share)),
+            window=float(env.get("STRATA_FLEET_MOVE_WINDOW", MovePolicy.window)),
+            min_requests=int(env.get("STRATA_FLEET_MOVE_MIN", MovePolicy.min_requests)),
+            cooldown=float(env.get("STRATA_FLEET_MOVE_COOLDOWN", MovePolicy.cooldown)),
+            enabled=env.get("STRATA_FLEET_MOVE", "1") != "0")
+    except ValueError as exc:
+        raise InvalidInput(f"a STRATA_FLEET_MOVE_* setting is not a number: {exc}") from None
+
+
 def cmd_join(args: argparse.Namespace) -> int:
+    return join(args.url, args.name, args.listen, args.dir, key=bucket_key(args),
+                ttl=args.ttl, advertise=args.advertise)
+
+
+def join(url: str, name: str, listen: str, data_dir: str, *, key: bytes | None,
+         ttl: float | None, advertise: str | None) -> int:
+    """Run this host as a member of the fleet at `url` until stopped.
+
+    The one way in: `strata fleet join` and `strata serve --fleet` both come here.
+    """
     import asyncio
     import signal
 
@@ -86,19 +112,20 @@ def cmd_join(args: argparse.Namespace) -> int:
     from strata.fleet.lease import LEASE_TTL
     from strata.fleet.member import Member
     from strata.logs import setup
-    host, _, port = args.listen.rpartition(":")
+    host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
-        raise InvalidInput(f"--listen must be HOST:PORT, not {args.listen!r}")
-    os.makedirs(args.dir, exist_ok=True)
-    setup(os.path.join(args.dir, "member.log"))
-    member = Member(args.url, args.name, host, int(port), args.dir, key=bucket_key(args),
-                    ttl=args.ttl or LEASE_TTL, token=_token(), advertise=args.advertise)
+        raise InvalidInput(f"--listen must be HOST:PORT, not {listen!r}")
+    os.makedirs(data_dir, exist_ok=True)
+    setup(os.path.join(data_dir, "member.log"))
+    member = Member(url, name, host, int(port), data_dir, key=key,
+                    ttl=ttl or LEASE_TTL, token=_token(), advertise=advertise,
+                    move=move_policy())
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, member.stop)
-        print(f"strata: member {args.name} of {args.url} on http://{args.listen}",
+        print(f"strata: member {name} of {url} on http://{listen}",
               file=sys.stderr, flush=True)
         await member.run()
 

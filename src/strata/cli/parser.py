@@ -86,9 +86,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                              "(default: $STRATA_SERVER, else the store's own server)")
     common.add_argument("--fleet", metavar="MEMBERS", default=argparse.SUPPRESS,
                         help="use a fleet: http://HOST:PORT of members, comma-separated; "
-                             "any live one answers (default: $STRATA_FLEET)")
+                             "any live one answers (default: $STRATA_FLEET); with serve, "
+                             "the fleet's bucket URL to join")
     common.add_argument("--fleet-store", metavar="STORE", default=argparse.SUPPRESS,
-                        help="the fleet's store to use (default: $STRATA_FLEET_STORE)")
+                        help="send every request to this store of the fleet, and place new "
+                             "volumes there (default: $STRATA_FLEET_STORE, else the "
+                             "fleet's catalog places each volume)")
     common.add_argument("--token", metavar="TOKEN", default=argparse.SUPPRESS,
                         help="bearer token for a TCP server (default: $STRATA_TOKEN)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,

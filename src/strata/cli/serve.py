@@ -44,6 +44,11 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="store_true", help="stop the running server")
     p.add_argument("--idle-exit", type=float, default=None, metavar="S",
                    help="exit after S seconds without requests")
+    p.add_argument("--name", metavar="MEMBER",
+                   help="with --fleet URL: join that fleet as MEMBER, as `strata fleet "
+                        "join` does (--listen tcp:HOST:PORT; --store is its directory)")
+    p.add_argument("--advertise", metavar="URL",
+                   help="with --fleet: the address other members use")
     p.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("token", parents=[common], help="create, list and revoke tokens")
@@ -95,6 +100,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stop_server,
     )
     path = store_path(args)
+    fleet = getattr(args, "fleet", None)
+    if fleet is not None or args.name is not None:
+        return _serve_fleet(args, fleet, path)
     if args.stop:
         sock = default_socket(path)
         # A bucket store's server uploads what it still holds before it goes: on a
@@ -139,6 +147,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from strata.engine.errors import Fenced
         return Fenced.exit_code
     return 0
+
+
+def _serve_fleet(args: argparse.Namespace, url: str | None, path: str) -> int:
+    """`serve --fleet URL --name MEMBER`: the same member as `strata fleet join`."""
+    from strata.cli.fleet import join
+    from strata.engine.errors import InvalidInput
+    if not url or "://" not in url or url.startswith(("http://", "https://")):
+        raise InvalidInput("serve --fleet takes the fleet's bucket URL (s3://BUCKET/PREFIX)")
+    if not args.name:
+        raise InvalidInput("serve --fleet needs --name MEMBER (unique in the fleet)")
+    tcp = [a[len("tcp:"):] if a.startswith("tcp:") else a for a in args.listen]
+    if len(tcp) != 1 or tcp[0].startswith("unix:"):
+        raise InvalidInput("serve --fleet needs one --listen tcp:HOST:PORT")
+    if args.takeover or args.bucket or args.stop or args.idle_exit is not None:
+        raise InvalidInput("serve --fleet: the fleet claims and hands over stores itself; "
+                           "--takeover, --bucket, --stop and --idle-exit do not apply")
+    return join(url, args.name, tcp[0], path, key=bucket_key(args), ttl=None,
+                advertise=args.advertise)
 
 
 def cmd_token_create(args: argparse.Namespace) -> int:

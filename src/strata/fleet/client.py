@@ -1,30 +1,44 @@
 """The remote `Store` through a fleet: one store, any live member of a list.
 
-`FleetStore` is `RemoteStore` with two differences: every request names the
-store (`X-Strata-Store`), and a member that does not answer, or answers 503
+`FleetStore` is `RemoteStore` with two differences: every request names its
+store, and a member that does not answer, or answers 503
 (no owner right now, a takeover under way, a lease that ran out), is left
 for the next one in the list. A publish keeps its txid across every
 attempt and every member, so a publish that landed before its answer was
 lost is found, not made twice (docs/design.md, "Publish algorithm").
+
+A request names its store in `X-Strata-Store` when the client was given
+one (an override); otherwise it names a volume, and the member finds the
+volume's store in the fleet's catalog (fleet/front.py): in the path for
+requests about one volume, or in `X-Strata-Volume` for those whose path
+names none (objects, publish, heads), which go to the store of the volume
+this client used last. One publish changes volumes of one store only.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from collections.abc import Sequence
 
 from strata.engine.errors import InvalidInput, Unavailable
+from strata.engine.interface import ChangeSet
+from strata.engine.names import check_volume
 from strata.server.client import BadResponse, RemoteStore, _Conn, parse_server, raise_http_error
 
 CONNECT_TIMEOUT = 5.0  # a stopped member is left after this (a SIGSTOPped host accepts)
 
 
 class FleetStore(RemoteStore):
-    """A store of the fleet, reached through any of `members` (http://HOST:PORT each)."""
+    """The fleet's volumes, reached through any of `members` (http://HOST:PORT each).
 
-    def __init__(self, members: Sequence[str], store: str, *, token: str | None = None,
+    `store` pins every request to one store; None lets the catalog place each.
+    """
+
+    def __init__(self, members: Sequence[str], store: str | None = None, *,
+                 token: str | None = None,
                  retry_for: float = 60.0, timeout: float = 10.0) -> None:
         if not members:
             raise InvalidInput("a fleet client needs at least one member address")
@@ -35,6 +49,7 @@ class FleetStore(RemoteStore):
         super().__init__(self.members[0], None, retry_for=retry_for, timeout=timeout,
                          prefetch=True)
         self.store = store
+        self.volume: str | None = None  # the volume requests without one in the path go to
         self.fleet_token = token or os.environ.get("STRATA_FLEET_TOKEN") or None
         self._which = 0
         self._which_lock = threading.Lock()
@@ -58,7 +73,15 @@ class FleetStore(RemoteStore):
     def request(self, method: str, path: str, body: bytes | None = None,
                 ctype: str = "application/json", headers: dict[str, str] | None = None,
                 ) -> tuple[int, dict[str, str], bytes]:
-        hdrs = {"Content-Type": ctype, "X-Strata-Store": self.store, **(headers or {})}
+        hdrs = {"Content-Type": ctype, **(headers or {})}
+        if self.store is not None:
+            hdrs["X-Strata-Store"] = self.store
+        else:
+            parts = path.split("?", 1)[0].split("/")
+            if len(parts) >= 4 and parts[1] == "v1" and parts[2] == "volumes":
+                self.volume = parts[3]
+            elif self.volume is not None:
+                hdrs["X-Strata-Volume"] = self.volume
         if self.fleet_token:
             hdrs["X-Strata-Fleet-Token"] = self.fleet_token
         deadline = time.monotonic() + self.retry_for
@@ -73,7 +96,7 @@ class FleetStore(RemoteStore):
                 last = str(exc) or type(exc).__name__
                 self._next_member()
                 if time.monotonic() >= deadline:
-                    raise Unavailable(f"no fleet member answered for store {self.store}: "
+                    raise Unavailable(f"no fleet member answered for {self._what()}: "
                                       f"{last}") from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 0.25)
@@ -92,3 +115,41 @@ class FleetStore(RemoteStore):
             if status >= 400:
                 raise_http_error(status, data)
             return status, rheaders, data
+
+    def _what(self) -> str:
+        if self.store is not None:
+            return f"store {self.store}"
+        return f"volume {self.volume}" if self.volume else "the fleet"
+
+    def use_volume(self, volume: str) -> None:
+        """Send requests that name no volume to `volume`'s store from now on."""
+        if self.store is None:
+            self.volume = check_volume(volume)
+
+    def placed_in(self, volume: str) -> str:
+        """The store the fleet's catalog places `volume` in."""
+        _s, _h, data = self.request("GET", f"/fleet/v1/volumes/{check_volume(volume)}")
+        return str(json.loads(data)["store"])
+
+    def create_volume(self, name: str) -> str:
+        self.use_volume(name)
+        return super().create_volume(name)
+
+    def heads(self, refs: Sequence[tuple[str, str]]) -> list[str]:
+        if refs:
+            self.use_volume(refs[0][0])
+        return super().heads(refs)
+
+    def publish(self, changesets: Sequence[ChangeSet],
+                objects: Sequence[tuple[int, bytes]] = (), *,
+                txid: bytes | None = None) -> list[str]:
+        volumes = sorted({c.volume for c in changesets})
+        if self.store is None and volumes:
+            if len(volumes) > 1:
+                stores = {v: self.placed_in(v) for v in volumes}
+                if len(set(stores.values())) > 1:
+                    raise InvalidInput("one publish changes the volumes of one store; these "
+                                       "are in different stores: " + ", ".join(
+                                           f"{v} ({s})" for v, s in stores.items()))
+            self.use_volume(changesets[0].volume)
+        return super().publish(changesets, objects, txid=txid)

@@ -6,11 +6,15 @@ One process per host (`strata fleet join`). It
 - for each store it owns, runs the ordinary owner (`server/serve.run_server`
   on the store's unix socket, in this process and event loop) and a
   `LeaseKeeper` whose gate the store's tier asks before acknowledging;
-- answers every API request on its TCP address for any store named in the
-  `X-Strata-Store` header: its own stores through their unix sockets, the
-  others forwarded, as they came, to the owner the lease names (cached;
-  refreshed by the scan, and dropped when a forward fails). No owner right
-  now: 503 with Retry-After, and the client sends the same request again;
+- answers every API request on its TCP address for any volume, through the
+  store the volume catalog places it in (fleet/front.py), or for the store
+  named in the `X-Strata-Store` header: its own stores through their unix
+  sockets, the others forwarded, as they came, to the owner the lease names
+  (cached; refreshed by the scan, and dropped when a forward fails). No
+  owner right now: 503 with Retry-After, and the client sends the same
+  request again;
+- counts where each store's requests enter the fleet, and hands a store it
+  owns to the member doing most of its work (fleet/traffic.py);
 - watches every lease and claims a store when its lease expired (by its own
   clock: unchanged for `expiry_wait`), when it is free, or when it is handed
   to this member. Among live members, a rendezvous hash picks who claims
@@ -40,6 +44,7 @@ from aiohttp import web
 
 from strata.engine.errors import AlreadyExists, InvalidInput, StrataError, Unavailable
 from strata.engine.local import LocalStore
+from strata.fleet.front import VolumeFront
 from strata.fleet.lease import (
     HEARTBEAT_EVERY,
     LEASE_TTL,
@@ -49,6 +54,7 @@ from strata.fleet.lease import (
     expiry_wait,
 )
 from strata.fleet.records import FleetRecords, Lease, rendezvous, store_url
+from strata.fleet.traffic import MovePolicy, Traffic
 from strata.server.bodies import MAX_BODY
 from strata.server.client import default_socket
 
@@ -89,7 +95,8 @@ class Seen:
 class Member:
     def __init__(self, url: str, name: str, host: str, port: int, data_dir: str, *,
                  key: bytes | None = None, ttl: float = LEASE_TTL,
-                 token: str | None = None, advertise: str | None = None) -> None:
+                 token: str | None = None, advertise: str | None = None,
+                 move: MovePolicy | None = None) -> None:
         self.url = url.rstrip("/")
         self.name = name
         self.host, self.port = host, port
@@ -118,6 +125,10 @@ class Member:
         # fenced store must not starve the next claim (seen in a 100-round run).
         self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="strata-fleet")
         self.claims: list[dict[str, Any]] = []   # for status: how long each claim took
+        self.front = VolumeFront(self)           # volumes -> stores (fleet/front.py)
+        self.traffic = Traffic(move or MovePolicy())
+        self.moving: set[str] = set()            # stores being handed off by the policy
+        self.moves: list[dict[str, Any]] = []    # for status: the policy's handoffs
 
     # -- running ----------------------------------------------------------------------
 
@@ -133,6 +144,7 @@ class Member:
         app.router.add_post("/fleet/v1/move", self._move)
         app.router.add_post("/fleet/v1/leave", self._leave)
         app.router.add_post("/fleet/v1/claim", self._claim_now)
+        app.router.add_get("/fleet/v1/volumes/{volume}", self.front.where)
         app.router.add_route("*", "/{tail:.*}", self._route)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
@@ -214,6 +226,7 @@ class Member:
                     if why is not None:
                         self._abandon(owned, why)
                 self._decide()
+                self._move_to_work()
             except StrataError as exc:
                 log.warning("fleet scan failed: %s", exc)
             except asyncio.CancelledError:
@@ -327,6 +340,7 @@ class Member:
                 timeout=aiohttp.ClientTimeout(total=120), auto_decompress=False)
             await loop.run_in_executor(self._pool, owned.keeper.rewrite, self._serving(owned.epoch))
             owned.serving = True
+            self.traffic.reset(store)  # its counts, and its cooldown, start now
             owned.claimed_in = clock() - t0
             self.claims.append({"store": store, "seconds": owned.claimed_in,
                                 "epoch": owned.epoch})
@@ -440,6 +454,30 @@ class Member:
                     await r.read()
         return {"store": store, "to": to, "released_in": released}
 
+    def _move_to_work(self) -> None:
+        """Hand each owned store to the member doing most of its work (fleet/traffic.py)."""
+        if self.leaving:
+            return
+        live = self.live_members()
+        for store, owned in list(self.owned.items()):
+            if not owned.serving or store in self.moving:
+                continue
+            to = self.traffic.target(store, self.name)
+            if to is None or to not in live:
+                continue
+            self.moving.add(store)
+            log.info("store %s: %s does most of its work: handing it over", store, to)
+            asyncio.ensure_future(self._move_task(store, to, self.traffic.counts(store)))
+
+    async def _move_task(self, store: str, to: str, counts: Any) -> None:
+        try:
+            got = await self.handoff(store, to)
+            self.moves.append({**got, "why": dict(counts)})
+        except (StrataError, OSError) as exc:
+            log.warning("store %s: move to %s failed: %s", store, to, exc)
+        finally:
+            self.moving.discard(store)
+
     async def _claim_now(self, request: web.Request) -> web.Response:
         """A handoff to this member: claim without waiting for the next scan."""
         if not self._authorized(request):
@@ -476,7 +514,8 @@ class Member:
                 "unchanged_for": round(now - seen.since, 3)}
         return {"member": self.name, "addr": self.addr, "leaving": self.leaving,
                 "live": sorted(self.live_members()), "leases": leases,
-                "owned": self._info()["stores"], "claims": self.claims[-20:]}
+                "owned": self._info()["stores"], "claims": self.claims[-20:],
+                "traffic": self.traffic.report(), "moves": self.moves[-20:]}
 
     async def _move(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
@@ -513,20 +552,44 @@ class Member:
         if not self._authorized(request):
             return web.json_response({"error": "Forbidden", "message": "fleet token needed"},
                                      status=403)
-        store = request.headers.get("X-Strata-Store")
-        if not store:
-            return web.json_response({"error": "InvalidInput", "message":
-                                      "name the store: X-Strata-Store header"}, status=400)
         if (request.content_length or 0) > MAX_BODY:  # refused unread (413, as the API does)
             return web.json_response({"error": "TooLarge", "message": "request body over "
                                       f"{MAX_BODY} bytes"}, status=413)
         body = await request.read()  # chunked bodies: client_max_size stops them at MAX_BODY
-        owned = self.owned.get(store)
+        store = request.headers.get("X-Strata-Store")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+        origin = request.headers.get("X-Strata-Forwarded")
+        if origin is not None:
+            origin = origin[:128]  # a member name; only counted (fleet/traffic.py)
+        if origin is None:
+            # From a client: the volume catalog places it (or answers it: create, list).
+            placed = await self.front.route(request, body, store)
+            if isinstance(placed, web.StreamResponse):
+                return placed
+            store = placed
+        if not store:
+            return web.json_response({"error": "InvalidInput", "message":
+                                      "name a volume or the store: X-Strata-Store header"},
+                                     status=400)
+        out = await self.forward(store, request.method, request.path_qs, headers, body,
+                                 origin)
+        out.headers["X-Strata-Store"] = store
+        return out
+
+    async def forward(self, store: str, method: str, path_qs: str, headers: dict[str, str],
+                      body: bytes, origin: str | None = None) -> web.Response:
+        """One request for `store`: to its server if owned here, else to its owner.
+
+        `origin` is the member a forwarded request entered the fleet at (None:
+        a client of this member); the owner counts it for the move policy.
+        """
+        owned = self.owned.get(store)
+        headers = {**headers, "X-Strata-Store": store}
         if owned is not None and owned.serving and owned.session is not None \
                 and owned.keeper.valid():
+            self.traffic.note(store, origin or self.name)
             try:
-                async with owned.session.request(request.method, "http://owner" + request.path_qs,
+                async with owned.session.request(method, "http://owner" + path_qs,
                                                  data=body, headers=headers) as resp:
                     data = await resp.read()
                     out = self._answer(resp, data)
@@ -538,16 +601,18 @@ class Member:
                     and (clock() >= owned.keeper.deadline or not owned.serving):
                 out.headers["Retry-After"] = RETRY_AFTER  # the lease gate: try the next owner
             return out
-        if "X-Strata-Forwarded" in request.headers:
+        if origin is not None:
             # Sent here by a member whose cache is stale: never forward twice.
             return self._retry(f"{self.name} does not own store {store}")
         lease = self.route(store)
         if lease is None or lease.state != "serving" or lease.holder == self.name:
             return self._retry(f"store {store} has no owner right now")
         headers["X-Strata-Forwarded"] = self.name
+        headers["X-Strata-Fleet-Token"] = self.token
+        self.traffic.note(store, self.name)
         assert self._session is not None
         try:
-            async with self._session.request(request.method, lease.addr + request.path_qs,
+            async with self._session.request(method, lease.addr + path_qs,
                                              data=body, headers=headers) as resp:
                 data = await resp.read()
                 return self._answer(resp, data)

@@ -96,7 +96,8 @@ def open_remote(args: argparse.Namespace) -> Iterator[RemoteStore]:
         if not name:
             raise InvalidInput("--fleet needs --fleet-store STORE (or $STRATA_FLEET_STORE)")
         fleet = FleetStore([m for m in members.split(",") if m], name,
-                           token=os.environ.get("STRATA_FLEET_TOKEN") or None)
+                           token=os.environ.get("STRATA_FLEET_TOKEN") or None,
+                           bearer=token)
         try:
             yield fleet
         finally:

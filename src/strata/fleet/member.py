@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import hmac
 import logging
 import os
@@ -40,6 +41,8 @@ from aiohttp import web
 
 from strata.engine.errors import AlreadyExists, InvalidInput, StrataError, Unavailable
 from strata.engine.local import LocalStore
+from strata.fleet import tokens as fleet_tokens
+from strata.fleet.forward import Unreachable, is_stream, relay, request_body, request_headers
 from strata.fleet.lease import (
     HEARTBEAT_EVERY,
     LEASE_TTL,
@@ -59,8 +62,11 @@ CATALOG_EVERY = 2.0       # seconds between LISTs of stores and members
 FORWARD_TIMEOUT = 4.0     # a forward that waits this long for an owner gives up (503)
 RETRY_AFTER = "0.20"
 CLAIM_TIMEOUT = 30.0      # a claim that has not restored and opened by then gives up
-HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
-       "content-encoding"}
+OWNER_TIMEOUT = 120.0     # the owner's own server, in this process: only a stuck one waits this
+# Connections to an owned store's token listener (loopback TCP, where the store's server
+# admits at most 64 per peer): API requests and event streams apart, so streams that
+# idle for hours never keep a request waiting for a connection.
+TOKEN_CONNECTIONS, TOKEN_STREAMS = 40, 16
 
 
 @dataclass
@@ -75,6 +81,11 @@ class Owned:
     session: aiohttp.ClientSession | None = None
     task: asyncio.Task[Any] | None = None
     claimed_in: float = 0.0
+    # The store's token listener (loopback TCP, checked as any TCP listener is) and
+    # the sessions that reach it: for requests that carry a scoped token, not the secret.
+    token_url: str | None = None
+    token_sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession] | None = None
+    tokens_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 @dataclass
@@ -101,6 +112,10 @@ class Member:
             raise InvalidInput("a fleet member needs the fleet's shared secret: set "
                                "STRATA_FLEET_TOKEN (the same on every member and client)")
         self.token = token
+        # What a member marks a request it forwards with: a client cannot make it up,
+        # so a client cannot stop its request from being forwarded, nor loop it.
+        self._mark = hmac.new(token.encode(), b"strata fleet: forwarded",
+                              hashlib.sha256).hexdigest()
         self.records = FleetRecords(self.url)
         self.owned: dict[str, Owned] = {}
         self.claiming: set[str] = set()
@@ -324,7 +339,12 @@ class Member:
             owned.epoch = int(rep["epoch"]) if rep and rep.get("epoch") is not None else None
             owned.session = aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(path=default_socket(path)),
-                timeout=aiohttp.ClientTimeout(total=120), auto_decompress=False)
+                auto_decompress=False)
+            owned.token_sessions = (
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=TOKEN_CONNECTIONS),
+                                      auto_decompress=False),
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=TOKEN_STREAMS),
+                                      auto_decompress=False))
             await loop.run_in_executor(self._pool, owned.keeper.rewrite, self._serving(owned.epoch))
             owned.serving = True
             owned.claimed_in = clock() - t0
@@ -364,19 +384,30 @@ class Member:
             os.rename(path, gone)
             shutil.rmtree(gone, ignore_errors=True)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        return prepare(path, store_url(self.url, store), takeover=True, key=self.key,
+        made = prepare(path, store_url(self.url, store), takeover=True, key=self.key,
                        sync=sync)
+        # Before the store serves: its scoped tokens, as its last owner saved them.
+        fleet_tokens.restore(self.records.bucket, self.key, store, path)
+        return made
 
     async def _serve(self, owned: Owned, ready: asyncio.Event) -> None:
-        from strata.server.serve import run_server
+        from strata.server.serve import ServeResult, run_server
 
         def opened(store: LocalStore) -> None:
             owned.local = store
             store.set_ack_gate(owned.keeper.gate)
 
+        def serving(result: ServeResult) -> None:
+            # The store's token listener: loopback TCP on a port of the kernel's choosing.
+            owned.token_url = f"http://{result.tcp[0]}" if result.tcp else None
+            ready.set()
+
         try:
-            result = await run_server(owned.path, [], on_open=opened, stop=owned.stop,
-                                      on_ready=lambda _r: ready.set())
+            # Its own unix socket (the owner: requests with the fleet's secret) and a TCP
+            # listener for requests that carry only a scoped token: the store's server
+            # checks those exactly as on any TCP listener, never with the socket's trust.
+            result = await run_server(owned.path, ["tcp:127.0.0.1:0"], on_open=opened,
+                                      stop=owned.stop, on_ready=serving)
             log.info("store %s: owner stopped (%s)", owned.store,
                      "; ".join(result.notes) or "asked")
         except (StrataError, OSError) as exc:
@@ -386,6 +417,8 @@ class Member:
             owned.keeper.stop()
             if owned.session is not None:
                 await owned.session.close()
+            for session in owned.token_sessions or ():
+                await session.close()
             if self.owned.get(owned.store) is owned:
                 del self.owned[owned.store]
 
@@ -422,6 +455,7 @@ class Member:
         t0 = clock()
         loop = asyncio.get_running_loop()
         await self._release(owned)  # drains, ships and checkpoints on close
+        await self._save_tokens(owned)  # tokens made on the owner's own socket too
 
         def change(lease: Lease) -> None:
             lease.state, lease.target = ("handoff", to) if to else ("free", None)
@@ -510,9 +544,18 @@ class Member:
         return moved
 
     async def _route(self, request: web.Request) -> web.StreamResponse:
-        if not self._authorized(request):
-            return web.json_response({"error": "Forbidden", "message": "fleet token needed"},
-                                     status=403)
+        """Pass an API request to its store's owner: here, or the member the lease names.
+
+        Who may ask: a caller with the fleet's secret is the owner of every store
+        (its requests reach the store's unix socket); a caller with only a bearer
+        token gets exactly what that token gets on a store's TCP listener (its
+        requests reach the store's token listener, which checks it before reading
+        the body). Anyone else: 403, before the body is read.
+        """
+        secret = self._authorized(request)
+        if not secret and ("X-Strata-Fleet-Token" in request.headers
+                           or not request.headers.get("Authorization", "").startswith("Bearer ")):
+            return self._forbidden()
         store = request.headers.get("X-Strata-Store")
         if not store:
             return web.json_response({"error": "InvalidInput", "message":
@@ -520,47 +563,91 @@ class Member:
         if (request.content_length or 0) > MAX_BODY:  # refused unread (413, as the API does)
             return web.json_response({"error": "TooLarge", "message": "request body over "
                                       f"{MAX_BODY} bytes"}, status=413)
-        body = await request.read()  # chunked bodies: client_max_size stops them at MAX_BODY
         owned = self.owned.get(store)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         if owned is not None and owned.serving and owned.session is not None \
                 and owned.keeper.valid():
-            try:
-                async with owned.session.request(request.method, "http://owner" + request.path_qs,
-                                                 data=body, headers=headers) as resp:
-                    data = await resp.read()
-                    out = self._answer(resp, data)
-            except (TimeoutError, aiohttp.ClientError):
-                return self._retry(f"store {store} is changing owner")
-            out.headers["X-Strata-Epoch"] = str(owned.epoch)
-            out.headers["X-Strata-Owner"] = self.name
-            if out.status == 503 and "Retry-After" not in out.headers \
-                    and (clock() >= owned.keeper.deadline or not owned.serving):
-                out.headers["Retry-After"] = RETRY_AFTER  # the lease gate: try the next owner
-            return out
-        if "X-Strata-Forwarded" in request.headers:
+            return await self._to_store(request, owned, secret)
+        if hmac.compare_digest(request.headers.get("X-Strata-Forwarded", ""), self._mark):
             # Sent here by a member whose cache is stale: never forward twice.
             return self._retry(f"{self.name} does not own store {store}")
         lease = self.route(store)
         if lease is None or lease.state != "serving" or lease.holder == self.name:
             return self._retry(f"store {store} has no owner right now")
-        headers["X-Strata-Forwarded"] = self.name
-        assert self._session is not None
-        try:
-            async with self._session.request(request.method, lease.addr + request.path_qs,
-                                             data=body, headers=headers) as resp:
-                data = await resp.read()
-                return self._answer(resp, data)
-        except (TimeoutError, aiohttp.ClientError):
-            return self._retry(f"store {store}: its owner {lease.holder} does not answer")
+        return await self._to_member(request, store, lease, secret)
 
-    @staticmethod
-    def _answer(resp: aiohttp.ClientResponse, data: bytes) -> web.Response:
-        out = web.Response(status=resp.status, body=data)
-        for k, v in resp.headers.items():
-            if k.lower() not in HOP and k.lower() not in ("date", "server"):
-                out.headers[k] = v
+    async def _to_store(self, request: web.Request, owned: Owned,
+                        secret: bool) -> web.StreamResponse:
+        """The owner's hop: to the store's own server, in this process."""
+        store = owned.store
+        if secret:
+            assert owned.session is not None
+            session, base = owned.session, "http://owner"
+        elif owned.token_sessions is not None and owned.token_url is not None:
+            session = owned.token_sessions[1 if is_stream(request) else 0]
+            base = owned.token_url
+        else:
+            return self._retry(f"store {store} is still opening")
+        stream = is_stream(request)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=FORWARD_TIMEOUT,
+                                        sock_read=None if stream else OWNER_TIMEOUT)
+        body = await request_body(request, whole=secret)
+        try:
+            out = await relay(request, session, base + request.path_qs,
+                              request_headers(request), body, timeout=timeout,
+                              alive=lambda: owned.serving,
+                              extra={"X-Strata-Epoch": str(owned.epoch),
+                                     "X-Strata-Owner": self.name})
+        except Unreachable:
+            return self._retry(f"store {store} is changing owner")
+        if out.status == 503 and "Retry-After" not in out.headers and not out.prepared \
+                and (clock() >= owned.keeper.deadline or not owned.serving):
+            out.headers["Retry-After"] = RETRY_AFTER  # the lease gate: try the next owner
+        if secret and request.method in ("POST", "DELETE") and out.status < 300 \
+                and request.path.startswith("/v1/admin/tokens"):
+            # A token made or revoked is in the bucket before the caller hears so: it
+            # holds on whichever member owns the store next (docs/fleet.md).
+            if not await self._save_tokens(owned):
+                return web.json_response({"error": "Unavailable", "message": (
+                    "the change is made on the store's owner but not yet in the bucket: "
+                    "another owner would not know it; list the tokens and try again")},
+                    status=503)
         return out
+
+    async def _to_member(self, request: web.Request, store: str, lease: Lease,
+                         secret: bool) -> web.StreamResponse:
+        """The forward: to the member the lease names, marked so it goes no further."""
+        assert self._session is not None
+        headers = request_headers(request)
+        headers["X-Strata-Forwarded"] = self._mark
+        if secret:  # a token-bearing request travels on without the secret it lacked
+            headers["X-Strata-Fleet-Token"] = self.token
+        stream = is_stream(request)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=FORWARD_TIMEOUT,
+                                        sock_read=None if stream else FORWARD_TIMEOUT)
+        holder = lease.holder
+
+        def still_owner() -> bool:
+            now = self.route(store)
+            return now is not None and now.state == "serving" and now.holder == holder
+
+        body = await request_body(request, whole=secret)
+        try:
+            return await relay(request, self._session, lease.addr + request.path_qs, headers,
+                               body, timeout=timeout, alive=still_owner, extra={})
+        except Unreachable:
+            return self._retry(f"store {store}: its owner {holder} does not answer")
+
+    async def _save_tokens(self, owned: Owned) -> bool:
+        """Copy the store's tokens file to the bucket (one at a time: the newest lands last)."""
+        loop = asyncio.get_running_loop()
+        async with owned.tokens_lock:
+            try:
+                await loop.run_in_executor(self._pool, fleet_tokens.save, self.records.bucket,
+                                           self.key, owned.store, owned.path)
+            except (StrataError, OSError) as exc:
+                log.warning("store %s: tokens not saved to the bucket: %s", owned.store, exc)
+                return False
+        return True
 
     @staticmethod
     def _forbidden() -> web.Response:

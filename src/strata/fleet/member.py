@@ -42,6 +42,7 @@ from aiohttp import web
 from strata.engine.errors import AlreadyExists, InvalidInput, StrataError, Unavailable
 from strata.engine.local import LocalStore
 from strata.fleet import tokens as fleet_tokens
+from strata.fleet import ui as fleet_ui
 from strata.fleet.forward import Unreachable, is_stream, relay, request_body, request_headers
 from strata.fleet.lease import (
     HEARTBEAT_EVERY,
@@ -148,6 +149,7 @@ class Member:
         app.router.add_post("/fleet/v1/move", self._move)
         app.router.add_post("/fleet/v1/leave", self._leave)
         app.router.add_post("/fleet/v1/claim", self._claim_now)
+        fleet_ui.register(app, self)  # the fleet page (fleet/ui.py)
         app.router.add_route("*", "/{tail:.*}", self._route)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
@@ -180,8 +182,9 @@ class Member:
             stores[s] = {"epoch": o.epoch, "serving": o.serving, "sync": o.keeper.lease.sync,
                          "lease_age": round(o.keeper.age(), 3),
                          "unshipped_bytes": rep.get("unshipped_bytes"),
+                         # 0.0: not shipped yet since the store opened (no lag to show)
                          "lag": round(time.time() - last, 3) if isinstance(last, float)
-                         else None, "claimed_in": round(o.claimed_in, 3)}
+                         and last > 0 else None, "claimed_in": round(o.claimed_in, 3)}
         return {"stores": stores, "leaving": self.leaving}
 
     async def _heartbeat_once(self) -> None:

@@ -123,6 +123,10 @@ def test_events_stream_through_a_non_owner_across_a_move(fleet: Fleet) -> None:
     watcher = Watcher(fleet.members[via].addr, "s1")
     remote = FleetStore(fleet.addrs(), "s1", retry_for=30.0)
     try:
+        deadline = time.monotonic() + 30  # the stream is open before the first publish
+        while not any(e.get("type") == "hello" for e in watcher.events):
+            assert watcher.error is None and time.monotonic() < deadline, watcher.error
+            time.sleep(0.02)
         before = publish(remote, "before.txt", b"1")
         watcher.wait_for(before)
         streams = watcher.streams

@@ -43,6 +43,19 @@ INTERNAL = frozenset({"x-strata-fleet-token", "x-strata-forwarded"})
 EVENT_PATHS = frozenset({"/events", "/ui/events"})
 
 
+def proxy_session(connector: aiohttp.BaseConnector) -> aiohttp.ClientSession:
+    """A client session that passes requests on as they came.
+
+    No cookie jar: one session carries every client's requests, so a cookie one
+    owner answer set must never ride along on another client's request. No
+    headers of its own (User-Agent, Accept, Accept-Encoding), and bodies are
+    passed on as they are, never inflated.
+    """
+    return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
+                                 auto_decompress=False,
+                                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
+
+
 class Unreachable(Exception):
     """The owner did not answer (refused, reset, timed out) before any byte went back."""
 

@@ -43,7 +43,14 @@ from strata.engine.errors import AlreadyExists, InvalidInput, StrataError, Unava
 from strata.engine.local import LocalStore
 from strata.fleet import tokens as fleet_tokens
 from strata.fleet import ui as fleet_ui
-from strata.fleet.forward import Unreachable, is_stream, relay, request_body, request_headers
+from strata.fleet.forward import (
+    Unreachable,
+    is_stream,
+    proxy_session,
+    relay,
+    request_body,
+    request_headers,
+)
 from strata.fleet.lease import (
     HEARTBEAT_EVERY,
     LEASE_TTL,
@@ -52,6 +59,7 @@ from strata.fleet.lease import (
     clock,
     expiry_wait,
 )
+from strata.fleet.quickhop import QuickHops
 from strata.fleet.records import FleetRecords, Lease, rendezvous, store_url
 from strata.server.bodies import MAX_BODY
 from strata.server.client import default_socket
@@ -61,7 +69,10 @@ log = logging.getLogger(__name__)
 SCAN_EVERY = 0.2          # seconds between reads of the leases
 CATALOG_EVERY = 2.0       # seconds between LISTs of stores and members
 FORWARD_TIMEOUT = 4.0     # a forward that waits this long for an owner gives up (503)
-RETRY_AFTER = "0.20"
+# What a 503 tells a client to wait before it tries the next member. A takeover or a
+# move ends the moment the new owner serves, so a client polls finely: at 0.20 s a
+# client waited on average 0.1 s past the end of every gap (measured in bench/fleet.py).
+RETRY_AFTER = "0.05"
 CLAIM_TIMEOUT = 30.0      # a claim that has not restored and opened by then gives up
 OWNER_TIMEOUT = 120.0     # the owner's own server, in this process: only a stuck one waits this
 # Connections to an owned store's token listener (loopback TCP, where the store's server
@@ -87,6 +98,7 @@ class Owned:
     token_url: str | None = None
     token_sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession] | None = None
     tokens_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tokens_saved: tuple[int, int] | None = None  # the tokens file as last saved or restored
 
 
 @dataclass
@@ -128,6 +140,7 @@ class Member:
         self.started = clock()
         self._beat = 0
         self._session: aiohttp.ClientSession | None = None
+        self._hops = QuickHops(FORWARD_TIMEOUT, FORWARD_TIMEOUT)  # small forwards' fast path
         self._tasks: list[asyncio.Task[Any]] = []
         # The member's own blocking work (bucket records, restores) never queues behind
         # the default executor, where a store's server drains: a drain stuck on a
@@ -141,9 +154,7 @@ class Member:
         os.makedirs(os.path.join(self.dir, "stores"), exist_ok=True)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, self.records.bucket.check_conditional)
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT),
-            connector=aiohttp.TCPConnector(limit=256), auto_decompress=False)
+        self._session = proxy_session(aiohttp.TCPConnector(limit=256))
         app = web.Application(client_max_size=MAX_BODY)  # a larger body: 413, unread
         app.router.add_get("/fleet/v1/status", self._status)
         app.router.add_post("/fleet/v1/move", self._move)
@@ -168,6 +179,7 @@ class Member:
                 await self._release(owned)
             await runner.cleanup()
             await self._session.close()
+            self._hops.close()
 
     def stop(self) -> None:
         self.done.set()
@@ -329,6 +341,7 @@ class Member:
             if owned.keeper.lost is not None:  # another member took the claim over meanwhile
                 raise AlreadyExists(f"store {store}: lease lost while claiming "
                                     f"({owned.keeper.lost})")
+            owned.tokens_saved = fleet_tokens.stamp(path)
             ready = asyncio.Event()
             owned.task = asyncio.ensure_future(self._serve(owned, ready))
             waiter = asyncio.ensure_future(ready.wait())
@@ -340,16 +353,16 @@ class Member:
                 return
             rep = owned.local.tier_report() if owned.local is not None else None
             owned.epoch = int(rep["epoch"]) if rep and rep.get("epoch") is not None else None
-            owned.session = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=default_socket(path)),
-                auto_decompress=False)
+            owned.session = proxy_session(aiohttp.UnixConnector(path=default_socket(path)))
             owned.token_sessions = (
-                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=TOKEN_CONNECTIONS),
-                                      auto_decompress=False),
-                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=TOKEN_STREAMS),
-                                      auto_decompress=False))
-            await loop.run_in_executor(self._pool, owned.keeper.rewrite, self._serving(owned.epoch))
+                proxy_session(aiohttp.TCPConnector(limit=TOKEN_CONNECTIONS)),
+                proxy_session(aiohttp.TCPConnector(limit=TOKEN_STREAMS)))
+            # Serve at once: the store is fenced to us and the lease, renewed since the
+            # claim, gates every acknowledgement already; "serving" in the lease only
+            # tells the other members where to forward (one bucket write saved from
+            # the gap a client here sees).
             owned.serving = True
+            await loop.run_in_executor(self._pool, owned.keeper.rewrite, self._serving(owned.epoch))
             owned.claimed_in = clock() - t0
             self.claims.append({"store": store, "seconds": owned.claimed_in,
                                 "epoch": owned.epoch})
@@ -369,6 +382,7 @@ class Member:
                 with contextlib.suppress(StrataError):
                     await loop.run_in_executor(self._pool, o.keeper.rewrite, free)
             elif o is not None:
+                o.serving = False
                 o.stop.set()
         finally:
             self.claiming.discard(store)
@@ -635,21 +649,28 @@ class Member:
 
         body = await request_body(request, whole=secret)
         try:
+            if not stream and (body is None or isinstance(body, bytes)):
+                return await self._hops.relay(request, lease.addr, headers, body,
+                                              alive=still_owner)
             return await relay(request, self._session, lease.addr + request.path_qs, headers,
                                body, timeout=timeout, alive=still_owner, extra={})
         except Unreachable:
             return self._retry(f"store {store}: its owner {holder} does not answer")
 
     async def _save_tokens(self, owned: Owned) -> bool:
-        """Copy the store's tokens file to the bucket (one at a time: the newest lands last)."""
+        """Copy the store's tokens file to the bucket if it changed (the newest lands last)."""
         loop = asyncio.get_running_loop()
         async with owned.tokens_lock:
+            now = fleet_tokens.stamp(owned.path)
+            if now is None or now == owned.tokens_saved:
+                return True  # nothing new: a handoff costs no bucket write for it
             try:
                 await loop.run_in_executor(self._pool, fleet_tokens.save, self.records.bucket,
                                            self.key, owned.store, owned.path)
             except (StrataError, OSError) as exc:
                 log.warning("store %s: tokens not saved to the bucket: %s", owned.store, exc)
                 return False
+            owned.tokens_saved = now
         return True
 
     @staticmethod

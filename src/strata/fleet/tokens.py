@@ -32,6 +32,15 @@ def _name(store: str) -> str:
     return f"fleet/tokens/{store}"
 
 
+def stamp(store_dir: str) -> tuple[int, int] | None:
+    """The tokens file's (mtime_ns, size), to tell whether it changed; None without one."""
+    try:
+        st = os.stat(os.path.join(store_dir, TOKENS_FILE))
+    except FileNotFoundError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
 def save(bucket: Bucket, key: bytes | None, store: str, store_dir: str) -> None:
     """Copy `store_dir`'s tokens file to the bucket (nothing to do without one)."""
     path = os.path.join(store_dir, TOKENS_FILE)

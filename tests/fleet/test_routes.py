@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import threading
 import time
 import urllib.error
@@ -31,6 +32,7 @@ from bucketutil import Moto
 from strata.engine.errors import Forbidden, StrataError
 from strata.engine.txn import Transaction
 from strata.fleet.client import FleetStore
+from strata_harness import STRATA
 
 
 @pytest.fixture
@@ -122,7 +124,17 @@ def test_events_stream_through_a_non_owner_across_a_move(fleet: Fleet) -> None:
     via, to = others[0], others[1]
     watcher = Watcher(fleet.members[via].addr, "s1")
     remote = FleetStore(fleet.addrs(), "s1", retry_for=30.0)
+    # `strata watch` itself, through the same member, reconnecting as it does.
+    cli_out = fleet.root / "watch.jsonl"
+    cli = subprocess.Popen([*STRATA, "--fleet", fleet.members[via].addr, "--fleet-store", "s1",
+                            "watch", "v", "--json"], stdout=open(cli_out, "wb"),  # noqa: SIM115
+                           stderr=open(fleet.root / "watch.err", "wb"))  # noqa: SIM115
     try:
+        deadline = time.monotonic() + 30
+        while b'"hello"' not in cli_out.read_bytes():
+            assert cli.poll() is None and time.monotonic() < deadline, \
+                (fleet.root / "watch.err").read_text()
+            time.sleep(0.05)
         deadline = time.monotonic() + 30  # the stream is open before the first publish
         while not any(e.get("type") == "hello" for e in watcher.events):
             assert watcher.error is None and time.monotonic() < deadline, watcher.error
@@ -142,6 +154,16 @@ def test_events_stream_through_a_non_owner_across_a_move(fleet: Fleet) -> None:
         watcher.wait_for(last)
         seen = [e["snapshot"] for e in watcher.events if e.get("type") == "publish"]
         assert seen.index(before) < seen.index(after) < seen.index(last)
+        deadline = time.monotonic() + 30
+        while True:
+            lines = [json.loads(x) for x in cli_out.read_text().splitlines() if x.strip()]
+            got = [e["snapshot"] for e in lines if e.get("type") == "publish"]
+            if last in got:
+                break
+            assert cli.poll() is None and time.monotonic() < deadline, \
+                (lines, (fleet.root / "watch.err").read_text())
+            time.sleep(0.05)
+        assert got.index(before) < got.index(after) < got.index(last), lines
         # A large answer streams through a forward whole (a file over the members'
         # whole-answer limit, read through a member that does not own the store).
         big = os.urandom(3 * 1024 * 1024 + 7)
@@ -152,6 +174,8 @@ def test_events_stream_through_a_non_owner_across_a_move(fleet: Fleet) -> None:
         finally:
             reader.close()
     finally:
+        cli.kill()
+        cli.wait()
         watcher.stop()
         remote.close()
 

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import os
 import threading
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -76,6 +77,7 @@ LOG_DIGITS = 20
 RECORD_MAGIC = b"STRL"
 RECORD_VERSION = 1
 HINT = "log-hint"
+READ_AHEAD = 16  # log records a restore has in flight at once (OwnerLog.read_many)
 PUT_PIECE = 4 << 20  # an unsealed object is handed to the client in pieces of this size
 HEADERS_KEPT = 4096  # headers of sealed objects kept for ranged reads (36 bytes each)
 # A test-only way to build a broken strata (tests/fleet): "fence" lets an owner write
@@ -436,6 +438,29 @@ class OwnerLog:
     def read(self, seq: int) -> dict[str, Any]:
         name = log_name(seq)
         return decode_record(name, self.bucket.get(name))
+
+    def read_many(self, seqs: Iterable[int]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Records `seqs`, in that order, READ_AHEAD of them fetched at once.
+
+        A restore reads every record since the newest checkpoint, one GET each:
+        one after the other, 174 of them took 0.41 s of a fleet member's 0.5 s
+        claim (bench/fleet.py's moves, moto on loopback). A record that is
+        missing raises where it comes in the order, as `read` would.
+        """
+        it = iter(seqs)
+        pool = concurrent.futures.ThreadPoolExecutor(READ_AHEAD,
+                                                     thread_name_prefix="strata-log-read")
+        try:
+            window: collections.deque[tuple[int, concurrent.futures.Future[dict[str, Any]]]] = \
+                collections.deque((seq, pool.submit(self.read, seq))
+                                  for seq in itertools.islice(it, READ_AHEAD))
+            while window:
+                seq, got = window.popleft()
+                for more in itertools.islice(it, 1):
+                    window.append((more, pool.submit(self.read, more)))
+                yield seq, got.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def records(self, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
         """Records from `start` to the end of the log."""

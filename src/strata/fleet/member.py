@@ -332,6 +332,7 @@ class Member:
             self.owned[store] = owned
             log.info("store %s: claiming (lease was %s)", store,
                      f"{old.holder}/{old.state}" if old else "absent")
+            t_restore = clock()
             try:
                 await asyncio.wait_for(loop.run_in_executor(self._pool, self._prepare, path,
                                                             store, sync), CLAIM_TIMEOUT)
@@ -342,6 +343,7 @@ class Member:
                 raise AlreadyExists(f"store {store}: lease lost while claiming "
                                     f"({owned.keeper.lost})")
             owned.tokens_saved = fleet_tokens.stamp(path)
+            t_open = clock()
             ready = asyncio.Event()
             owned.task = asyncio.ensure_future(self._serve(owned, ready))
             waiter = asyncio.ensure_future(ready.wait())
@@ -362,12 +364,16 @@ class Member:
             # tells the other members where to forward (one bucket write saved from
             # the gap a client here sees).
             owned.serving = True
+            t_serving = clock()
             await loop.run_in_executor(self._pool, owned.keeper.rewrite, self._serving(owned.epoch))
             owned.claimed_in = clock() - t0
             self.claims.append({"store": store, "seconds": owned.claimed_in,
                                 "epoch": owned.epoch})
-            log.info("store %s: serving, epoch %s, claimed in %.0f ms", store, owned.epoch,
-                     owned.claimed_in * 1000)
+            log.info("store %s: serving, epoch %s, claimed in %.0f ms (lease %.0f, restore "
+                     "%.0f, open %.0f, then the lease %.0f)", store, owned.epoch,
+                     owned.claimed_in * 1000, (t_restore - t0) * 1000,
+                     (t_open - t_restore) * 1000, (t_serving - t_open) * 1000,
+                     (clock() - t_serving) * 1000)
         except (StrataError, OSError) as exc:
             log.warning("store %s: claim failed: %s", store, exc)
             o = self.owned.get(store)

@@ -94,7 +94,10 @@ class QuickHops:
         lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() != "content-length"]
         if body is not None or request.method in ("POST", "PUT", "PATCH"):
             lines.append(f"Content-Length: {len(body or b'')}")
-        message = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+        # Back to the bytes the client sent: aiohttp decodes heads as UTF-8, keeping any
+        # other byte as a surrogate.
+        message = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape") \
+            + (body or b"")
         for attempt in (0, 1):
             conn, reused = await self._get(where)
             try:
@@ -164,7 +167,7 @@ class QuickHops:
 
 async def _head(reader: asyncio.StreamReader) -> tuple[int, CIMultiDict[str]]:
     raw = await reader.readuntil(b"\r\n\r\n")
-    lines = raw[:-4].decode("latin-1").split("\r\n")
+    lines = raw[:-4].decode("utf-8", "replace").split("\r\n")  # aiohttp writes UTF-8
     parts = lines[0].split(None, 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
         raise BadAnswer(f"bad status line {lines[0][:80]!r}")

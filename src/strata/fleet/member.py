@@ -492,8 +492,10 @@ class Member:
             # find the handoff there too, so a lost nudge only costs a scan).
             headers = {"X-Strata-Fleet-Token": self.token} if self.token else {}
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with self._session.post(str(seen.body.get("addr")) + "/fleet/v1/claim",
-                                              json={"store": store}, headers=headers) as r:
+                async with self._session.post(
+                        str(seen.body.get("addr")) + "/fleet/v1/claim", json={"store": store},
+                        headers=headers,
+                        timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT)) as r:
                     await r.read()
         return {"store": store, "to": to, "released_in": released}
 

@@ -219,6 +219,9 @@ def test_a_scoped_token_works_through_any_member_and_only_in_its_scope(fleet: Fl
         absent = call(addr, "GET", "/v1/volumes/nope/branches", bearer)
         assert there[0] == 403 and there[1].replace(b"'w'", b"'nope'") == absent[1], \
             (there, absent)
+        # ...the words a store's own TCP listener answers (Scope.check_volume), no more.
+        assert json.loads(there[1]) == {"error": "Forbidden",
+                                        "message": "token is not valid for volume 'w'"}
         with pytest.raises(Forbidden):
             read(scoped, "w", "anything")
         # No unix-socket trust: the store's administration is refused...

@@ -18,7 +18,9 @@ does the passing:
   (through any member, to the new owner); any other answer is cut off, so
   the client sees it short and asks again.
 
-Headers a member uses itself (the fleet secret, the forwarding mark) are
+A forward to another member whose body is in hand, and that is not an event
+stream, takes the fast path of fleet/quickhop.py instead (same rules, fewer
+layers). Headers a member uses itself (the fleet secret, the forwarding mark) are
 never passed on from a client. This module decides nothing about who may
 ask (member.py) or who owns what; it never reads the bucket.
 """

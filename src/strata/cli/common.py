@@ -65,6 +65,11 @@ def server_url(args: argparse.Namespace) -> str | None:
     return getattr(args, "server", None) or os.environ.get("STRATA_SERVER") or None
 
 
+def fleet_members(args: argparse.Namespace) -> str | None:
+    """--fleet, else $STRATA_FLEET: the members' addresses, comma-separated; None: no fleet."""
+    return getattr(args, "fleet", None) or os.environ.get("STRATA_FLEET") or None
+
+
 @contextmanager
 def open_store(args: argparse.Namespace) -> Iterator[Store]:
     """The store the command works on, always through a server.
@@ -88,13 +93,14 @@ def open_remote(args: argparse.Namespace) -> Iterator[RemoteStore]:
     from strata.server.client import RemoteStore
     url = server_url(args)
     token = getattr(args, "token", None) or os.environ.get("STRATA_TOKEN") or None
-    members = getattr(args, "fleet", None) or os.environ.get("STRATA_FLEET")
+    members = fleet_members(args)
     if url is None and members:
         from strata.fleet.client import FleetStore
         # No store named: the fleet's catalog places each volume (fleet/front.py).
         name = getattr(args, "fleet_store", None) or os.environ.get("STRATA_FLEET_STORE")
         fleet = FleetStore([m for m in members.split(",") if m], name or None,
-                           token=os.environ.get("STRATA_FLEET_TOKEN") or None)
+                           token=os.environ.get("STRATA_FLEET_TOKEN") or None,
+                           bearer=token)
         try:
             yield fleet
         finally:

@@ -47,6 +47,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
 
+    u = fsub.add_parser("ui", parents=[common],
+                        help="print the fleet page's URL with a read-only view ticket")
+    u.add_argument("url", metavar="URL")
+    u.add_argument("--member", metavar="MEMBER",
+                   help="the member whose port the browser opens (default: the first)")
+    u.add_argument("--ttl", type=float, default=3600.0, metavar="S",
+                   help="the ticket's lifetime in seconds (default 3600, at most a week)")
+    u.set_defaults(func=cmd_ui)
+
     m = fsub.add_parser("move", parents=[common],
                         help="hand a store to another member (planned, through the bucket)")
     m.add_argument("url", metavar="URL")
@@ -140,33 +149,8 @@ def cmd_add_store(args: argparse.Namespace) -> int:
     return 0
 
 
-def fleet_status(url: str) -> dict[str, Any]:
-    """What the bucket says, read once (ages from the writers' clocks: for display only)."""
-    from strata.fleet.records import FleetRecords
-    rec = FleetRecords(url)
-    now = time.time()
-    members = rec.members()
-    out: dict[str, Any] = {"members": {}, "stores": {}}
-    for name, body in sorted(members.items()):
-        out["members"][name] = {"addr": body.get("addr"), "leaving": body.get("leaving"),
-                                "heartbeat_age": round(now - float(body.get("wall", 0)), 2)}
-    for store, meta in sorted(rec.stores().items()):
-        lease = rec.lease(store)
-        held = members.get(lease.holder, {}) if lease is not None else {}
-        mine = (held.get("stores") or {}).get(store, {}) if lease is not None else {}
-        out["stores"][store] = {
-            "sync": meta.get("sync"),
-            "owner": lease.holder if lease is not None else None,
-            "state": lease.state if lease is not None else "unowned",
-            "epoch": lease.epoch if lease is not None else None,
-            "lease_age": mine.get("lease_age"),
-            "lag": mine.get("lag"), "unshipped_bytes": mine.get("unshipped_bytes"),
-            "loss_window": "none (acknowledged = in the bucket)" if meta.get("sync") == "bucket"
-            else "up to ~0.5 s of publishes (shipped twice a second)"}
-    return out
-
-
 def cmd_status(args: argparse.Namespace) -> int:
+    from strata.fleet.status import fleet_status
     st = fleet_status(args.url)
     if args.json:
         print_json(st)
@@ -183,6 +167,22 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{name:<13} {s['owner'] or '-':<13} {s['state']:<10} "
               f"{s['epoch'] if s['epoch'] is not None else '-':<6} {age:<10} "
               f"{s['sync']:<7} {lag}")
+    return 0
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from strata.engine.errors import InvalidInput, NotFound
+    from strata.fleet.records import FleetRecords
+    from strata.fleet.ui import make_ticket
+    secret = _token()
+    if not secret:
+        raise InvalidInput("a view ticket is signed with the fleet's secret: set "
+                           "STRATA_FLEET_TOKEN")
+    members = FleetRecords(args.url).members()
+    name = args.member or next(iter(sorted(members)), None)
+    if name is None or name not in members:
+        raise NotFound(f"no member {name!r} in the fleet" if name else "the fleet has no members")
+    print(f"{members[name]['addr']}/fleet/ui/login?ticket={make_ticket(secret, args.ttl)}")
     return 0
 
 

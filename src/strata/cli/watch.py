@@ -11,7 +11,13 @@ import sys
 import time
 from typing import Any
 
-from strata.cli.common import ensure_server, open_remote, server_url, store_path
+from strata.cli.common import (
+    ensure_server,
+    fleet_members,
+    open_remote,
+    server_url,
+    store_path,
+)
 from strata.engine.errors import InvalidInput, NotFound, Unavailable
 from strata.engine.names import check_branch, check_volume
 
@@ -73,8 +79,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
         if now - gone_at > RECONNECT_FOR:
             raise Unavailable("the server went away and did not come back")
         time.sleep(0.2)
-        if server_url(args) is None:
-            ensure_server(store_path(args))
+        if server_url(args) is None and fleet_members(args) is None:
+            ensure_server(store_path(args))  # a fleet's members need no local server
 
 
 def _track(heads: dict[str, str], ev: dict[str, Any]) -> None:

@@ -45,10 +45,9 @@ def apply_segments(local: LocalPacks, log: OwnerLog, start: int, end: int,
     files: dict[int, int] = {}
     report: dict[str, Any] = {"segments": 0, "bytes": 0, "packs": 0}
     try:
-        for seq in range(start, end):
+        for seq, body in log.read_many(range(start, end)):
             if progress is not None:
                 progress(seq - start, end - start, report["bytes"])
-            body = log.read(seq)
             if body["kind"] != "segment":
                 continue
             report["segments"] += 1
@@ -79,10 +78,7 @@ def apply_segments(local: LocalPacks, log: OwnerLog, start: int, end: int,
 
 
 def iter_log_back(log: OwnerLog, end: int) -> Iterator[tuple[int, dict[str, Any]]]:
-    seq = end - 1
-    while seq >= 0:
-        yield seq, log.read(seq)
-        seq -= 1
+    return log.read_many(range(end - 1, -1, -1))  # newest first, a window read ahead
 
 
 def store_key(store_dir: str, meta: dict[str, Any]) -> BucketKey | None:

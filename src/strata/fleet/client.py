@@ -21,14 +21,25 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from strata.engine.errors import InvalidInput, Unavailable
 from strata.engine.interface import ChangeSet
 from strata.engine.names import check_volume
-from strata.server.client import BadResponse, RemoteStore, _Conn, parse_server, raise_http_error
+from strata.server.client import (
+    BadResponse,
+    RemoteStore,
+    _Conn,
+    events_path,
+    http_connection,
+    parse_server,
+    raise_http_error,
+    read_events,
+)
 
 CONNECT_TIMEOUT = 5.0  # a stopped member is left after this (a SIGSTOPped host accepts)
+EVENTS_IDLE = 45.0     # an event stream silent this long (3 missed pings) is given up
 
 
 class FleetStore(RemoteStore):
@@ -38,7 +49,7 @@ class FleetStore(RemoteStore):
     """
 
     def __init__(self, members: Sequence[str], store: str | None = None, *,
-                 token: str | None = None,
+                 token: str | None = None, bearer: str | None = None,
                  retry_for: float = 60.0, timeout: float = 10.0) -> None:
         if not members:
             raise InvalidInput("a fleet client needs at least one member address")
@@ -46,11 +57,18 @@ class FleetStore(RemoteStore):
         for m in self.members:
             if parse_server(m)[0] != "tcp":
                 raise InvalidInput(f"a fleet member is http://HOST:PORT, not {m!r}")
-        super().__init__(self.members[0], None, retry_for=retry_for, timeout=timeout,
+        super().__init__(self.members[0], bearer, retry_for=retry_for, timeout=timeout,
                          prefetch=True)
         self.store = store
         self.volume: str | None = None  # the volume requests without one in the path go to
-        self.fleet_token = token or os.environ.get("STRATA_FLEET_TOKEN") or None
+        # With a bearer token (scoped to a volume of a store) and no fleet secret, the
+        # members pass requests to the store's server, which checks the token as on TCP.
+        self.fleet_token = token or (None if bearer else os.environ.get("STRATA_FLEET_TOKEN")) \
+            or None
+        if bearer and not self.fleet_token and store is None:
+            # Tokens are a store's; the catalog is for those with the fleet's secret.
+            raise InvalidInput("a token reaches the store it was made in: name it "
+                               "(--fleet-store STORE or $STRATA_FLEET_STORE)")
         self._which = 0
         self._which_lock = threading.Lock()
         self.last = threading.local()  # the last answer's owner and epoch (for checkers)
@@ -84,6 +102,8 @@ class FleetStore(RemoteStore):
                 hdrs["X-Strata-Volume"] = self.volume
         if self.fleet_token:
             hdrs["X-Strata-Fleet-Token"] = self.fleet_token
+        if self.token:
+            hdrs["Authorization"] = f"Bearer {self.token}"
         deadline = time.monotonic() + self.retry_for
         delay = 0.02
         last = ""
@@ -153,3 +173,58 @@ class FleetStore(RemoteStore):
                                            f"{v} ({s})" for v, s in stores.items()))
             self.use_volume(changesets[0].volume)
         return super().publish(changesets, objects, txid=txid)
+
+    def events(self, refs: Sequence[str], since: str | None = None,
+               heads: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+        """Follow the store's events through any member, until the stream ends.
+
+        A member that does not answer, or answers 503, is left for the next, as
+        for any request. The stream ends when the store moves or its owner dies
+        (the members end it); the caller follows again with the last `_id` and
+        the heads it had (as `strata watch` does), and the next member in the
+        list takes it from there.
+        """
+        path = events_path(refs, since, heads)
+        hdrs = {"Accept": "text/event-stream"}
+        if self.store is not None:
+            hdrs["X-Strata-Store"] = self.store
+        elif refs:
+            hdrs["X-Strata-Volume"] = check_volume(refs[0].partition("@")[0])
+        elif self.volume is not None:
+            hdrs["X-Strata-Volume"] = self.volume
+        if self.fleet_token:
+            hdrs["X-Strata-Fleet-Token"] = self.fleet_token
+        if self.token:
+            hdrs["Authorization"] = f"Bearer {self.token}"
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.02
+        while True:
+            with self._which_lock:
+                url = self.members[self._which % len(self.members)]
+            kind, where, port = parse_server(url)
+            conn = http_connection(kind, where, port, EVENTS_IDLE)
+            try:
+                try:
+                    conn.request("GET", path, headers=hdrs)
+                    resp = conn.getresponse()
+                except OSError as exc:
+                    failed = str(exc) or type(exc).__name__
+                else:
+                    if resp.status != 503:
+                        if resp.status >= 400:
+                            raise_http_error(resp.status, resp.read())
+                        try:
+                            yield from read_events(resp)
+                        except OSError:
+                            pass  # silent too long, or reset: the same as an end
+                        self._next_member()  # whoever answers next reaches the new owner
+                        return
+                    failed = "503"
+                if time.monotonic() >= deadline:
+                    raise Unavailable(f"no fleet member streamed events of "
+                                      f"{self._what()}: {failed}")
+                self._next_member()
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+            finally:
+                conn.close()

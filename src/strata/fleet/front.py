@@ -44,6 +44,7 @@ from strata.engine.errors import (
     StrataError,
 )
 from strata.engine.names import check_volume
+from strata.fleet.forward import HOP
 from strata.fleet.placement import Placement, VolumeCatalog, place
 from strata.server import wire
 
@@ -78,21 +79,23 @@ class VolumeFront:
                 self.cache[volume] = p
         return p
 
-    async def route(self, request: web.Request, body: bytes,
+    async def route(self, request: web.Request,
                     store: str | None) -> str | None | web.StreamResponse:
-        """The store a client's request goes to, or the whole answer (create, list, delete)."""
+        """The store a client's request goes to, or the whole answer (create, list, delete).
+
+        Only for callers with the fleet's secret: the catalog names every volume."""
         try:
-            return await self._route(request, body, store)
+            return await self._route(request, store)
         except StrataError as exc:
             return error(exc)
 
-    async def _route(self, request: web.Request, body: bytes,
+    async def _route(self, request: web.Request,
                      store: str | None) -> str | None | web.StreamResponse:
         parts = request.path.split("/")  # "", "v1", "volumes", VOLUME, ...
         names_volumes = len(parts) >= 3 and parts[1] == "v1" and parts[2] == "volumes"
         if names_volumes and len(parts) == 3:
             if request.method == "POST":
-                return await self.create(request, body, store)
+                return await self.create(request, await self._body(request), store)
             if request.method == "GET" and store is None:
                 return await self.list()
             return store
@@ -100,7 +103,7 @@ class VolumeFront:
         if names_volumes:
             volume = check_volume(parts[3])
             if request.method == "DELETE" and len(parts) == 4:
-                return await self.delete(request, body, volume, store)
+                return await self.delete(request, await self._body(request), volume, store)
         if store is not None:
             return store
         if volume is None:
@@ -122,8 +125,14 @@ class VolumeFront:
                 return s
         return None
 
+    @staticmethod
+    async def _body(request: web.Request) -> bytes:
+        """A create's or delete's body: small, so read whole (a larger one is refused)."""
+        if (request.content_length or 0) > MAX_CREATE_BODY:
+            raise InvalidInput(f"a create body is at most {MAX_CREATE_BODY} bytes")
+        return await request.read()
+
     def _headers(self, request: web.Request) -> dict[str, str]:
-        from strata.fleet.member import HOP
         return {k: v for k, v in request.headers.items() if k.lower() not in HOP}
 
     async def create(self, request: web.Request, body: bytes,

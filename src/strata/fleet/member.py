@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import hmac
 import logging
 import os
@@ -44,6 +45,17 @@ from aiohttp import web
 
 from strata.engine.errors import AlreadyExists, InvalidInput, StrataError, Unavailable
 from strata.engine.local import LocalStore
+from strata.fleet import tokens as fleet_tokens
+from strata.fleet import ui as fleet_ui
+from strata.fleet.forward import (
+    HOP,
+    Unreachable,
+    is_stream,
+    proxy_session,
+    relay,
+    request_body,
+    request_headers,
+)
 from strata.fleet.front import VolumeFront
 from strata.fleet.lease import (
     HEARTBEAT_EVERY,
@@ -53,6 +65,7 @@ from strata.fleet.lease import (
     clock,
     expiry_wait,
 )
+from strata.fleet.quickhop import QuickHops
 from strata.fleet.records import FleetRecords, Lease, rendezvous, store_url
 from strata.fleet.traffic import MovePolicy, Traffic
 from strata.server.bodies import MAX_BODY
@@ -63,10 +76,16 @@ log = logging.getLogger(__name__)
 SCAN_EVERY = 0.2          # seconds between reads of the leases
 CATALOG_EVERY = 2.0       # seconds between LISTs of stores and members
 FORWARD_TIMEOUT = 4.0     # a forward that waits this long for an owner gives up (503)
-RETRY_AFTER = "0.20"
+# What a 503 tells a client to wait before it tries the next member. A takeover or a
+# move ends the moment the new owner serves, so a client polls finely: at 0.20 s a
+# client waited on average 0.1 s past the end of every gap (measured in bench/fleet.py).
+RETRY_AFTER = "0.05"
 CLAIM_TIMEOUT = 30.0      # a claim that has not restored and opened by then gives up
-HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
-       "content-encoding"}
+OWNER_TIMEOUT = 120.0     # the owner's own server, in this process: only a stuck one waits this
+# Connections to an owned store's token listener (loopback TCP, where the store's server
+# admits at most 64 per peer): API requests and event streams apart, so streams that
+# idle for hours never keep a request waiting for a connection.
+TOKEN_CONNECTIONS, TOKEN_STREAMS = 40, 16
 
 
 @dataclass
@@ -81,6 +100,12 @@ class Owned:
     session: aiohttp.ClientSession | None = None
     task: asyncio.Task[Any] | None = None
     claimed_in: float = 0.0
+    # The store's token listener (loopback TCP, checked as any TCP listener is) and
+    # the sessions that reach it: for requests that carry a scoped token, not the secret.
+    token_url: str | None = None
+    token_sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession] | None = None
+    tokens_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tokens_saved: tuple[int, int] | None = None  # the tokens file as last saved or restored
 
 
 @dataclass
@@ -119,6 +144,7 @@ class Member:
         self.started = clock()
         self._beat = 0
         self._session: aiohttp.ClientSession | None = None
+        self._hops = QuickHops(FORWARD_TIMEOUT, FORWARD_TIMEOUT)  # small forwards' fast path
         self._tasks: list[asyncio.Task[Any]] = []
         # The member's own blocking work (bucket records, restores) never queues behind
         # the default executor, where a store's server drains: a drain stuck on a
@@ -136,15 +162,14 @@ class Member:
         os.makedirs(os.path.join(self.dir, "stores"), exist_ok=True)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, self.records.bucket.check_conditional)
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT),
-            connector=aiohttp.TCPConnector(limit=256), auto_decompress=False)
+        self._session = proxy_session(aiohttp.TCPConnector(limit=256))
         app = web.Application(client_max_size=MAX_BODY)  # a larger body: 413, unread
         app.router.add_get("/fleet/v1/status", self._status)
         app.router.add_post("/fleet/v1/move", self._move)
         app.router.add_post("/fleet/v1/leave", self._leave)
         app.router.add_post("/fleet/v1/claim", self._claim_now)
         app.router.add_get("/fleet/v1/volumes/{volume}", self.front.where)
+        fleet_ui.register(app, self)  # the fleet page (fleet/ui.py)
         app.router.add_route("*", "/{tail:.*}", self._route)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
@@ -163,6 +188,7 @@ class Member:
                 await self._release(owned)
             await runner.cleanup()
             await self._session.close()
+            self._hops.close()
 
     def stop(self) -> None:
         self.done.set()
@@ -177,8 +203,9 @@ class Member:
             stores[s] = {"epoch": o.epoch, "serving": o.serving, "sync": o.keeper.lease.sync,
                          "lease_age": round(o.keeper.age(), 3),
                          "unshipped_bytes": rep.get("unshipped_bytes"),
+                         # 0.0: not shipped yet since the store opened (no lag to show)
                          "lag": round(time.time() - last, 3) if isinstance(last, float)
-                         else None, "claimed_in": round(o.claimed_in, 3)}
+                         and last > 0 else None, "claimed_in": round(o.claimed_in, 3)}
         return {"stores": stores, "leaving": self.leaving}
 
     async def _heartbeat_once(self) -> None:
@@ -315,6 +342,7 @@ class Member:
             self.owned[store] = owned
             log.info("store %s: claiming (lease was %s)", store,
                      f"{old.holder}/{old.state}" if old else "absent")
+            t_restore = clock()
             try:
                 await asyncio.wait_for(loop.run_in_executor(self._pool, self._prepare, path,
                                                             store, sync), CLAIM_TIMEOUT)
@@ -324,6 +352,8 @@ class Member:
             if owned.keeper.lost is not None:  # another member took the claim over meanwhile
                 raise AlreadyExists(f"store {store}: lease lost while claiming "
                                     f"({owned.keeper.lost})")
+            owned.tokens_saved = fleet_tokens.stamp(path)
+            t_open = clock()
             ready = asyncio.Event()
             owned.task = asyncio.ensure_future(self._serve(owned, ready))
             waiter = asyncio.ensure_future(ready.wait())
@@ -335,17 +365,26 @@ class Member:
                 return
             rep = owned.local.tier_report() if owned.local is not None else None
             owned.epoch = int(rep["epoch"]) if rep and rep.get("epoch") is not None else None
-            owned.session = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=default_socket(path)),
-                timeout=aiohttp.ClientTimeout(total=120), auto_decompress=False)
-            await loop.run_in_executor(self._pool, owned.keeper.rewrite, self._serving(owned.epoch))
+            owned.session = proxy_session(aiohttp.UnixConnector(path=default_socket(path)))
+            owned.token_sessions = (
+                proxy_session(aiohttp.TCPConnector(limit=TOKEN_CONNECTIONS)),
+                proxy_session(aiohttp.TCPConnector(limit=TOKEN_STREAMS)))
+            # Serve at once: the store is fenced to us and the lease, renewed since the
+            # claim, gates every acknowledgement already; "serving" in the lease only
+            # tells the other members where to forward (one bucket write saved from
+            # the gap a client here sees).
             owned.serving = True
             self.traffic.reset(store)  # its counts, and its cooldown, start now
+            t_serving = clock()
+            await loop.run_in_executor(self._pool, owned.keeper.rewrite, self._serving(owned.epoch))
             owned.claimed_in = clock() - t0
             self.claims.append({"store": store, "seconds": owned.claimed_in,
                                 "epoch": owned.epoch})
-            log.info("store %s: serving, epoch %s, claimed in %.0f ms", store, owned.epoch,
-                     owned.claimed_in * 1000)
+            log.info("store %s: serving, epoch %s, claimed in %.0f ms (lease %.0f, restore "
+                     "%.0f, open %.0f, then the lease %.0f)", store, owned.epoch,
+                     owned.claimed_in * 1000, (t_restore - t0) * 1000,
+                     (t_open - t_restore) * 1000, (t_serving - t_open) * 1000,
+                     (clock() - t_serving) * 1000)
         except (StrataError, OSError) as exc:
             log.warning("store %s: claim failed: %s", store, exc)
             o = self.owned.get(store)
@@ -360,6 +399,7 @@ class Member:
                 with contextlib.suppress(StrataError):
                     await loop.run_in_executor(self._pool, o.keeper.rewrite, free)
             elif o is not None:
+                o.serving = False
                 o.stop.set()
         finally:
             self.claiming.discard(store)
@@ -378,19 +418,30 @@ class Member:
             os.rename(path, gone)
             shutil.rmtree(gone, ignore_errors=True)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        return prepare(path, store_url(self.url, store), takeover=True, key=self.key,
+        made = prepare(path, store_url(self.url, store), takeover=True, key=self.key,
                        sync=sync)
+        # Before the store serves: its scoped tokens, as its last owner saved them.
+        fleet_tokens.restore(self.records.bucket, self.key, store, path)
+        return made
 
     async def _serve(self, owned: Owned, ready: asyncio.Event) -> None:
-        from strata.server.serve import run_server
+        from strata.server.serve import ServeResult, run_server
 
         def opened(store: LocalStore) -> None:
             owned.local = store
             store.set_ack_gate(owned.keeper.gate)
 
+        def serving(result: ServeResult) -> None:
+            # The store's token listener: loopback TCP on a port of the kernel's choosing.
+            owned.token_url = f"http://{result.tcp[0]}" if result.tcp else None
+            ready.set()
+
         try:
-            result = await run_server(owned.path, [], on_open=opened, stop=owned.stop,
-                                      on_ready=lambda _r: ready.set())
+            # Its own unix socket (the owner: requests with the fleet's secret) and a TCP
+            # listener for requests that carry only a scoped token: the store's server
+            # checks those exactly as on any TCP listener, never with the socket's trust.
+            result = await run_server(owned.path, ["tcp:127.0.0.1:0"], on_open=opened,
+                                      stop=owned.stop, on_ready=serving)
             log.info("store %s: owner stopped (%s)", owned.store,
                      "; ".join(result.notes) or "asked")
         except (StrataError, OSError) as exc:
@@ -400,6 +451,8 @@ class Member:
             owned.keeper.stop()
             if owned.session is not None:
                 await owned.session.close()
+            for session in owned.token_sessions or ():
+                await session.close()
             if self.owned.get(owned.store) is owned:
                 del self.owned[owned.store]
 
@@ -436,6 +489,7 @@ class Member:
         t0 = clock()
         loop = asyncio.get_running_loop()
         await self._release(owned)  # drains, ships and checkpoints on close
+        await self._save_tokens(owned)  # tokens made on the owner's own socket too
 
         def change(lease: Lease) -> None:
             lease.state, lease.target = ("handoff", to) if to else ("free", None)
@@ -449,8 +503,10 @@ class Member:
             # find the handoff there too, so a lost nudge only costs a scan).
             headers = {"X-Strata-Fleet-Token": self.token} if self.token else {}
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with self._session.post(str(seen.body.get("addr")) + "/fleet/v1/claim",
-                                              json={"store": store}, headers=headers) as r:
+                async with self._session.post(
+                        str(seen.body.get("addr")) + "/fleet/v1/claim", json={"store": store},
+                        headers=headers,
+                        timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT)) as r:
                     await r.read()
         return {"store": store, "to": to, "released_in": released}
 
@@ -549,83 +605,186 @@ class Member:
         return moved
 
     async def _route(self, request: web.Request) -> web.StreamResponse:
-        if not self._authorized(request):
-            return web.json_response({"error": "Forbidden", "message": "fleet token needed"},
-                                     status=403)
+        """Pass an API request to its store's owner: here, or the member the lease names.
+
+        Who may ask: a caller with the fleet's secret is the owner of every store
+        (its requests reach the store's unix socket); a caller with only a bearer
+        token gets exactly what that token gets on a store's TCP listener (its
+        requests reach the store's token listener, which checks it before reading
+        the body). Anyone else: 403, before the body is read.
+
+        Which store: a forwarded request names it (`X-Strata-Store`); a client's
+        request names it too, or names a volume, which the catalog places
+        (fleet/front.py). A token holder names its store: tokens are a store's,
+        and a catalog lookup would tell it which volumes exist elsewhere.
+        """
+        secret = self._authorized(request)
+        if not secret and ("X-Strata-Fleet-Token" in request.headers
+                           or not request.headers.get("Authorization", "").startswith("Bearer ")):
+            return self._forbidden()
         if (request.content_length or 0) > MAX_BODY:  # refused unread (413, as the API does)
             return web.json_response({"error": "TooLarge", "message": "request body over "
                                       f"{MAX_BODY} bytes"}, status=413)
-        body = await request.read()  # chunked bodies: client_max_size stops them at MAX_BODY
         store = request.headers.get("X-Strata-Store")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
-        origin = request.headers.get("X-Strata-Forwarded")
-        if origin is not None:
-            origin = origin[:128]  # a member name; only counted (fleet/traffic.py)
-        if origin is None:
+        origin = self._forwarded_by(request)
+        if origin is None and secret:
             # From a client: the volume catalog places it (or answers it: create, list).
-            placed = await self.front.route(request, body, store)
+            placed = await self.front.route(request, store)
             if isinstance(placed, web.StreamResponse):
                 return placed
             store = placed
         if not store:
             return web.json_response({"error": "InvalidInput", "message":
-                                      "name a volume or the store: X-Strata-Store header"},
-                                     status=400)
-        out = await self.forward(store, request.method, request.path_qs, headers, body,
-                                 origin)
-        out.headers["X-Strata-Store"] = store
-        return out
-
-    async def forward(self, store: str, method: str, path_qs: str, headers: dict[str, str],
-                      body: bytes, origin: str | None = None) -> web.Response:
-        """One request for `store`: to its server if owned here, else to its owner.
-
-        `origin` is the member a forwarded request entered the fleet at (None:
-        a client of this member); the owner counts it for the move policy.
-        """
+                                      "name a volume or the store: X-Strata-Store header"
+                                      if secret else "a request with a token names its "
+                                      "store: X-Strata-Store header"}, status=400)
         owned = self.owned.get(store)
-        headers = {**headers, "X-Strata-Store": store}
         if owned is not None and owned.serving and owned.session is not None \
                 and owned.keeper.valid():
             self.traffic.note(store, origin or self.name)
-            try:
-                async with owned.session.request(method, "http://owner" + path_qs,
-                                                 data=body, headers=headers) as resp:
-                    data = await resp.read()
-                    out = self._answer(resp, data)
-            except (TimeoutError, aiohttp.ClientError):
-                return self._retry(f"store {store} is changing owner")
-            out.headers["X-Strata-Epoch"] = str(owned.epoch)
-            out.headers["X-Strata-Owner"] = self.name
-            if out.status == 503 and "Retry-After" not in out.headers \
-                    and (clock() >= owned.keeper.deadline or not owned.serving):
-                out.headers["Retry-After"] = RETRY_AFTER  # the lease gate: try the next owner
-            return out
-        if origin is not None:
+            out = await self._to_store(request, owned, secret)
+        elif origin is not None:
             # Sent here by a member whose cache is stale: never forward twice.
             return self._retry(f"{self.name} does not own store {store}")
-        lease = self.route(store)
-        if lease is None or lease.state != "serving" or lease.holder == self.name:
-            return self._retry(f"store {store} has no owner right now")
-        headers["X-Strata-Forwarded"] = self.name
-        headers["X-Strata-Fleet-Token"] = self.token
-        self.traffic.note(store, self.name)
-        assert self._session is not None
-        try:
-            async with self._session.request(method, lease.addr + path_qs,
-                                             data=body, headers=headers) as resp:
-                data = await resp.read()
-                return self._answer(resp, data)
-        except (TimeoutError, aiohttp.ClientError):
-            return self._retry(f"store {store}: its owner {lease.holder} does not answer")
+        else:
+            lease = self.route(store)
+            if lease is None or lease.state != "serving" or lease.holder == self.name:
+                return self._retry(f"store {store} has no owner right now")
+            self.traffic.note(store, self.name)
+            out = await self._to_member(request, store, lease, secret)
+        if not out.prepared:
+            out.headers["X-Strata-Store"] = store
+        return out
 
-    @staticmethod
-    def _answer(resp: aiohttp.ClientResponse, data: bytes) -> web.Response:
+    def _mark_for(self, name: str) -> str:
+        """What this member's forwards carry: its name, signed with the fleet's secret."""
+        sig = hmac.new(self.token.encode(), b"strata fleet: forwarded by " + name.encode(),
+                       hashlib.sha256).hexdigest()
+        return f"{name} {sig}"
+
+    def _forwarded_by(self, request: web.Request) -> str | None:
+        """The member a request was forwarded by, if its mark verifies (else None)."""
+        name, _, _sig = request.headers.get("X-Strata-Forwarded", "").partition(" ")
+        if not name or len(name) > 128:
+            return None
+        if not hmac.compare_digest(request.headers["X-Strata-Forwarded"].encode(),
+                                   self._mark_for(name).encode()):
+            return None
+        return name
+
+    async def forward(self, store: str, method: str, path_qs: str, headers: dict[str, str],
+                      body: bytes) -> web.Response:
+        """One small request of this member's own for `store` (the volume catalog's
+        create, delete and checks), read whole: to its server if owned here, else to
+        its owner. Clients' requests take `_route`'s way."""
+        owned = self.owned.get(store)
+        headers = {k: v for k, v in headers.items() if k.lower() not in HOP}
+        headers.update({"X-Strata-Store": store, "X-Strata-Fleet-Token": self.token})
+        headers.pop("X-Strata-Forwarded", None)
+        if owned is not None and owned.serving and owned.session is not None \
+                and owned.keeper.valid():
+            self.traffic.note(store, self.name)
+            session, url = owned.session, "http://owner" + path_qs
+        else:
+            lease = self.route(store)
+            if lease is None or lease.state != "serving" or lease.holder == self.name:
+                return self._retry(f"store {store} has no owner right now")
+            assert self._session is not None
+            headers["X-Strata-Forwarded"] = self._mark_for(self.name)
+            session, url = self._session, lease.addr + path_qs
+        try:
+            async with session.request(method, url, data=body, headers=headers,
+                                       timeout=aiohttp.ClientTimeout(total=FORWARD_TIMEOUT)
+                                       ) as resp:
+                data = await resp.read()
+        except (TimeoutError, aiohttp.ClientError):
+            return self._retry(f"store {store} is changing owner")
         out = web.Response(status=resp.status, body=data)
         for k, v in resp.headers.items():
             if k.lower() not in HOP and k.lower() not in ("date", "server"):
                 out.headers[k] = v
         return out
+
+    async def _to_store(self, request: web.Request, owned: Owned,
+                        secret: bool) -> web.StreamResponse:
+        """The owner's hop: to the store's own server, in this process."""
+        store = owned.store
+        if secret:
+            assert owned.session is not None
+            session, base = owned.session, "http://owner"
+        elif owned.token_sessions is not None and owned.token_url is not None:
+            session = owned.token_sessions[1 if is_stream(request) else 0]
+            base = owned.token_url
+        else:
+            return self._retry(f"store {store} is still opening")
+        stream = is_stream(request)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=FORWARD_TIMEOUT,
+                                        sock_read=None if stream else OWNER_TIMEOUT)
+        body = await request_body(request, whole=secret)
+        try:
+            out = await relay(request, session, base + request.path_qs,
+                              request_headers(request), body, timeout=timeout,
+                              alive=lambda: owned.serving,
+                              extra={"X-Strata-Epoch": str(owned.epoch),
+                                     "X-Strata-Owner": self.name})
+        except Unreachable:
+            return self._retry(f"store {store} is changing owner")
+        if out.status == 503 and "Retry-After" not in out.headers and not out.prepared \
+                and (clock() >= owned.keeper.deadline or not owned.serving):
+            out.headers["Retry-After"] = RETRY_AFTER  # the lease gate: try the next owner
+        if secret and request.method in ("POST", "DELETE") and out.status < 300 \
+                and request.path.startswith("/v1/admin/tokens"):
+            # A token made or revoked is in the bucket before the caller hears so: it
+            # holds on whichever member owns the store next (docs/fleet.md).
+            if not await self._save_tokens(owned):
+                return web.json_response({"error": "Unavailable", "message": (
+                    "the change is made on the store's owner but not yet in the bucket: "
+                    "another owner would not know it; list the tokens and try again")},
+                    status=503)
+        return out
+
+    async def _to_member(self, request: web.Request, store: str, lease: Lease,
+                         secret: bool) -> web.StreamResponse:
+        """The forward: to the member the lease names, marked so it goes no further."""
+        assert self._session is not None
+        headers = request_headers(request)
+        headers["X-Strata-Forwarded"] = self._mark_for(self.name)
+        if secret:  # a token-bearing request travels on without the secret it lacked
+            headers["X-Strata-Fleet-Token"] = self.token
+        stream = is_stream(request)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=FORWARD_TIMEOUT,
+                                        sock_read=None if stream else FORWARD_TIMEOUT)
+        holder = lease.holder
+
+        def still_owner() -> bool:
+            now = self.route(store)
+            return now is not None and now.state == "serving" and now.holder == holder
+
+        body = await request_body(request, whole=secret)
+        try:
+            if not stream and (body is None or isinstance(body, bytes)):
+                return await self._hops.relay(request, lease.addr, headers, body,
+                                              alive=still_owner)
+            return await relay(request, self._session, lease.addr + request.path_qs, headers,
+                               body, timeout=timeout, alive=still_owner, extra={})
+        except Unreachable:
+            return self._retry(f"store {store}: its owner {holder} does not answer")
+
+    async def _save_tokens(self, owned: Owned) -> bool:
+        """Copy the store's tokens file to the bucket if it changed (the newest lands last)."""
+        loop = asyncio.get_running_loop()
+        async with owned.tokens_lock:
+            now = fleet_tokens.stamp(owned.path)
+            if now is None or now == owned.tokens_saved:
+                return True  # nothing new: a handoff costs no bucket write for it
+            try:
+                await loop.run_in_executor(self._pool, fleet_tokens.save, self.records.bucket,
+                                           self.key, owned.store, owned.path)
+            except (StrataError, OSError) as exc:
+                log.warning("store %s: tokens not saved to the bucket: %s", owned.store, exc)
+                return False
+            owned.tokens_saved = now
+        return True
 
     @staticmethod
     def _forbidden() -> web.Response:

@@ -624,12 +624,7 @@ class RemoteStore(Store):
         reported, so a server that cannot replay from its ring catches up from
         history instead. The stream's own connection, never the kept-alive one.
         """
-        query = [("ref", r) for r in refs]
-        if since:
-            query.append(("since", since))
-        query += [("head", f"{ref}={sid}") for ref, sid in (heads or {}).items()]
-        from urllib.parse import urlencode
-        path = "/events" + ("?" + urlencode(query) if query else "")
+        path = events_path(refs, since, heads)
         hdrs = {"Accept": "text/event-stream"}
         if self.token:
             hdrs["Authorization"] = f"Bearer {self.token}"
@@ -639,24 +634,7 @@ class RemoteStore(Store):
             resp = conn.getresponse()
             if resp.status >= 400:
                 raise_http_error(resp.status, resp.read())
-            sid: str | None = None
-            data_lines: list[str] = []
-            while True:
-                raw = resp.readline()
-                if not raw:
-                    return
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                if line == "":
-                    if data_lines:
-                        event = json.loads("\n".join(data_lines))
-                        if sid is not None:
-                            event["_id"] = sid
-                        yield event
-                    sid, data_lines = None, []
-                elif line.startswith("id:"):
-                    sid = line[3:].strip()
-                elif line.startswith("data:"):
-                    data_lines.append(line[5:].lstrip())
+            yield from read_events(resp)
         finally:
             conn.close()
 
@@ -667,3 +645,35 @@ class RemoteStore(Store):
         self._drop_conn()
         self._drop_lean()
 
+
+def events_path(refs: Sequence[str], since: str | None,
+                heads: dict[str, str] | None) -> str:
+    """`GET /events`'s path and query for what a reader follows and last had."""
+    from urllib.parse import urlencode
+    query = [("ref", r) for r in refs]
+    if since:
+        query.append(("since", since))
+    query += [("head", f"{ref}={sid}") for ref, sid in (heads or {}).items()]
+    return "/events" + ("?" + urlencode(query) if query else "")
+
+
+def read_events(resp: Any) -> Iterator[dict[str, Any]]:
+    """The events of a server-sent event answer, until it ends (each with `_id` if it has one)."""
+    sid: str | None = None
+    data_lines: list[str] = []
+    while True:
+        raw = resp.readline()
+        if not raw:
+            return
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if line == "":
+            if data_lines:
+                event = json.loads("\n".join(data_lines))
+                if sid is not None:
+                    event["_id"] = sid
+                yield event
+            sid, data_lines = None, []
+        elif line.startswith("id:"):
+            sid = line[3:].strip()
+        elif line.startswith("data:"):
+            data_lines.append(line[5:].lstrip())

@@ -63,6 +63,7 @@ class ServeResult:
     gap_seconds: float | None = None
     notes: list[str] = field(default_factory=list)
     fenced: str | None = None  # another owner took the store over (the bucket tier)
+    tcp: list[str] = field(default_factory=list)  # HOST:PORT of each TCP listener, as bound
 
 
 def _bind(spec: str, store_dir: str) -> Listener:
@@ -126,6 +127,9 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     if not any(os.path.abspath(s[5:]) == own[5:] for s in listens if s.startswith("unix:")):
         listens = [own, *listens]
     listeners = [_bind(spec, store_dir) for spec in listens]
+    # As bound: a port of 0 is the kernel's choice (a fleet member's token listener).
+    result.tcp = ["{}:{}".format(*lst.sock.getsockname()[:2]) for lst in listeners
+                  if lst.unix_path is None]
     state = ServerState(store_dir)
     state.listens = list(listens)
     app = make_app(state)

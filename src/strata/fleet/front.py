@@ -83,7 +83,8 @@ class VolumeFront:
                     store: str | None) -> str | None | web.StreamResponse:
         """The store a client's request goes to, or the whole answer (create, list, delete).
 
-        Only for callers with the fleet's secret: the catalog names every volume."""
+        Only for callers with the fleet's secret: the catalog names every volume.
+        """
         try:
             return await self._route(request, store)
         except StrataError as exc:

@@ -674,9 +674,11 @@ class Member:
 
     async def forward(self, store: str, method: str, path_qs: str, headers: dict[str, str],
                       body: bytes) -> web.Response:
-        """One small request of this member's own for `store` (the volume catalog's
-        create, delete and checks), read whole: to its server if owned here, else to
-        its owner. Clients' requests take `_route`'s way."""
+        """One small request of this member's own for `store`, read whole.
+
+        The volume catalog's create, delete and checks: to the store's server if
+        owned here, else to its owner. Clients' requests take `_route`'s way.
+        """
         owned = self.owned.get(store)
         headers = {k: v for k, v in headers.items() if k.lower() not in HOP}
         headers.update({"X-Strata-Store": store, "X-Strata-Fleet-Token": self.token})
@@ -749,6 +751,7 @@ class Member:
         assert self._session is not None
         headers = request_headers(request)
         headers["X-Strata-Forwarded"] = self._mark_for(self.name)
+        headers["X-Strata-Store"] = store  # the client may have named only a volume
         if secret:  # a token-bearing request travels on without the secret it lacked
             headers["X-Strata-Fleet-Token"] = self.token
         stream = is_stream(request)

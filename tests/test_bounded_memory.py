@@ -71,6 +71,8 @@ def small_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scratch, "SCRATCH_FILTER_BITS", 16)
     monkeypatch.setattr(scratch, "SCRATCH_CACHE_KIB", 1024)
     monkeypatch.setattr(gcmod, "SWEEP_BATCH", 256)
+    monkeypatch.setattr(gcmod, "MEMO_ENTRIES", 1024)
+    monkeypatch.setattr(gcmod, "NAMES_BYTES", 64 << 10)
 
 
 def _peak(path: Path, run: Callable[[LocalStore], Any]) -> tuple[int, Any]:
@@ -88,16 +90,24 @@ def _gc(s: LocalStore) -> Any:
     return s.gc(min_age=0, dry_run=True, full=True)
 
 
+def _gc_incremental(s: LocalStore) -> Any:
+    return s.gc(min_age=0, dry_run=True)
+
+
 def _fsck(s: LocalStore) -> Any:
     return s.fsck()
 
 
-@pytest.mark.parametrize("run", [_gc, _fsck], ids=["gc-full", "fsck"])
+@pytest.mark.parametrize("run", [_gc, _gc_incremental, _fsck],
+                         ids=["gc-full", "gc-incremental", "fsck"])
 def test_peak_does_not_grow_with_the_store(stores: dict[int, Path], small_bounds: None,
                                            run: Callable[[LocalStore], Any]) -> None:
     small, small_out = _peak(stores[SMALL], run)
     large, large_out = _peak(stores[LARGE], run)
-    if run is _gc:
+    if run is _gc_incremental:
+        assert large_out["mode"] == "incremental" and not large_out["fallback"]
+        assert large_out["objects_unreachable"] > 4 * small_out["objects_unreachable"] > 0
+    elif run is _gc:
         assert large_out["mode"] == "full"
         assert large_out["objects_live"] > 4 * small_out["objects_live"]
         assert large_out["objects_unreachable"] > 4 * small_out["objects_unreachable"] > 0

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from strata.engine import gc
 from strata.engine.errors import Expired, InvalidInput, NotFound, StrataError
 from strata.engine.gc import PIN_LIFETIME
 from strata.engine.index import COUNT
@@ -312,6 +313,7 @@ class GcMachine(RuleBasedStateMachine):
         if full:
             c = report["checked"]
             assert c["live_in_full_mark"] == c["missed_by_accounting"] == 0, c
+            assert c["history_roots_wrong"] == 0, c
         if in_grace and not dry:  # pins from before the reopen may still be held
             assert report["objects_deleted"] == 0, report
             assert report["waiting"] or not report["objects_unreachable"], report
@@ -399,6 +401,26 @@ class GcMachine(RuleBasedStateMachine):
             t = Transaction(self.s, "v", base=sid)
             got = {name: t.read(name) for name, _e in t.listdir("")}
             assert got == files, sid
+
+    @rule()
+    def history_memo_agrees(self) -> None:
+        """The roots found through the history memo are those reading every snapshot finds.
+
+        Under the model's policy, then under keep_newer policies set for the check
+        and unset after it (0: heads only; 1e9 s: all history, so every memo entry's
+        time is used): the memo's facts serve any policy. The first walk notes
+        what the memo lacked, so the later ones read it.
+        """
+        self.s.sync_index()
+        try:
+            for age in (None, 1e9, 0.0):
+                if age is not None:
+                    self.s.policies.set("v", None, keep_newer=age)
+                now = time.time()
+                noted = gc._kept(self.s, now, set(), noted=True)
+                assert noted == gc._kept(self.s, now, set(), noted=False), age
+        finally:
+            self.s.policies.set("v", None, keep_newer=None)
 
     @rule()
     def accounting_is_exact(self) -> None:

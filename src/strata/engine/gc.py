@@ -593,7 +593,8 @@ def _kept(store: Collectable, now: float, skip: set[str], *, noted: bool) -> set
         except NotFound:
             return None
         parent = bytes.fromhex(info.parent) if info.parent else None
-        new.append((sid, parent, info.time_ns))
+        if noted:  # a check (not `noted`) must not mend what it checks
+            new.append((sid, parent, info.time_ns))
         return parent, info.time_ns
 
     out: set[bytes] = set()

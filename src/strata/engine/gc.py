@@ -51,7 +51,7 @@ from strata.engine.errors import InvalidInput, NotFound, Unavailable
 from strata.engine.index import COUNT, LOC, Index, Loc, _loc
 from strata.engine.interface import Lease, SnapshotInfo
 from strata.engine.journal import Journal
-from strata.engine.objects import BLOCK, FILENODE, SNAPSHOT, TREE, references
+from strata.engine.objects import BLOCK, FILENODE, ID_LEN, SNAPSHOT, TREE, references
 from strata.engine.packstore import PackStore
 from strata.engine.refs import Refs
 from strata.engine.scratch import Scratch
@@ -738,7 +738,7 @@ def _sweep(store: Collectable, candidates: Iterator[tuple[bytes, Loc]],
             gone: dict[bytes, tuple[Loc, list[bytes]]] = {}
             for o, loc in doomed:
                 known = incr.names.pop(o, None) if incr is not None else None
-                names = ([known[i:i + 32] for i in range(0, len(known), 32)] if known
+                names = ([known[i:i + ID_LEN] for i in range(0, len(known), ID_LEN)] if known
                          else _names(store, loc, o, counted))  # else read again
                 if names is None:  # unreadable: what it names cannot be let go exactly
                     store.index.uncount()
@@ -897,7 +897,7 @@ def _unreachable(store: Collectable, keep: set[bytes], start: tuple[int, int],
                 raise _Inexact(f"object {oid.hex()} cannot be read")
             if names and named and out.names_bytes < NAMES_BYTES:  # for the sweep
                 out.names[oid] = b"".join(named)
-                out.names_bytes += 32 * len(named)
+                out.names_bytes += ID_LEN * len(named) + 160  # and the entry's own cost
             named = [o for o in named if o not in keep and o not in taken]
             out.examined += len(named)
             for o, count in zip(named, count_of(named), strict=True):

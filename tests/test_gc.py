@@ -17,12 +17,14 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from strata.engine import gc
 from strata.engine.errors import Expired, InvalidInput, NotFound, StrataError
 from strata.engine.gc import PIN_LIFETIME
 from strata.engine.index import COUNT
@@ -198,6 +200,61 @@ def test_gc_in_a_loop_while_publishes_race_it(tmp_path: Path) -> None:
         assert report["ok"], report
 
 
+def test_a_pass_reads_only_snapshots_new_since_the_last(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept history is walked through the index's memo: a pass reads only what is new.
+
+    With the default policy (all history kept), 40 snapshots: the first pass
+    reads each; after 5 more publishes, the next reads those 5 (and the head's
+    parent chain through the memo). A rebuilt index has no memo and reads all
+    again. A wrong memo entry is what `gc --full` finds and clears.
+    """
+    init_store(str(tmp_path))
+    with LocalStore(str(tmp_path)) as s:
+        s.create_volume("v")
+        for i in range(40):
+            _write(s, "v", {"f": b"%d" % i})
+        read: list[str] = []
+        snapshot = s.snapshot
+
+        def counting(sid: str) -> Any:
+            read.append(sid)
+            return snapshot(sid)
+
+        monkeypatch.setattr(s, "snapshot", counting)
+        assert s.gc(min_age=0)["snapshots_retained"] == 41
+        assert len(read) >= 41
+        for i in range(5):
+            _write(s, "v", {"f": b"new %d" % i})
+        read.clear()
+        assert s.gc(min_age=0)["snapshots_retained"] == 46
+        assert len(read) == 5, read
+        # A fact the memo got wrong (a snapshot made older than it is): with keep_newer,
+        # walking through the memo would end early. The full pass reads, compares, clears.
+        s.policies.set("v", None, keep_newer=3600)
+        head = bytes.fromhex(s.head("v", "live"))
+        parent = bytes.fromhex(snapshot(s.head("v", "live")).parent or "")
+        grand = snapshot(parent.hex()).parent
+        s.index.note_history([(parent, bytes.fromhex(grand or ""), 0)])
+        assert parent not in gc._kept(s, time.time(), set(), noted=True)
+        dry = s.gc(min_age=0, full=True, dry_run=True)
+        # 45: the volume's first snapshot (empty, time 0) is past keep_newer
+        assert dry["checked"]["history_roots_wrong"] > 0 and dry["snapshots_retained"] == 45
+        full = s.gc(min_age=0, full=True)
+        assert full["checked"]["history_roots_wrong"] > 0 and full["objects_deleted"] == 0
+        assert parent in gc._kept(s, time.time(), set(), noted=True)
+        again = s.gc(min_age=0, full=True)
+        assert again["checked"]["history_roots_wrong"] == 0, again
+        assert head in gc._kept(s, time.time(), set(), noted=True)
+    with LocalStore(str(tmp_path)) as s:
+        s.rebuild_index()
+    with LocalStore(str(tmp_path)) as s:
+        read.clear()
+        monkeypatch.setattr(s, "snapshot", counting)
+        assert s.gc(min_age=0)["snapshots_retained"] == 45
+        assert len(read) >= 45  # the memo went with the old index
+
+
 # -- the state machine -------------------------------------------------------------------
 
 
@@ -312,6 +369,7 @@ class GcMachine(RuleBasedStateMachine):
         if full:
             c = report["checked"]
             assert c["live_in_full_mark"] == c["missed_by_accounting"] == 0, c
+            assert c["history_roots_wrong"] == 0, c
         if in_grace and not dry:  # pins from before the reopen may still be held
             assert report["objects_deleted"] == 0, report
             assert report["waiting"] or not report["objects_unreachable"], report
@@ -399,6 +457,26 @@ class GcMachine(RuleBasedStateMachine):
             t = Transaction(self.s, "v", base=sid)
             got = {name: t.read(name) for name, _e in t.listdir("")}
             assert got == files, sid
+
+    @rule()
+    def history_memo_agrees(self) -> None:
+        """The roots found through the history memo are those reading every snapshot finds.
+
+        Under the model's policy, then under keep_newer policies set for the check
+        and unset after it (0: heads only; 1e9 s: all history, so every memo entry's
+        time is used): the memo's facts serve any policy. The first walk notes
+        what the memo lacked, so the later ones read it.
+        """
+        self.s.sync_index()
+        try:
+            for age in (None, 1e9, 0.0):
+                if age is not None:
+                    self.s.policies.set("v", None, keep_newer=age)
+                now = time.time()
+                noted = gc._kept(self.s, now, set(), noted=True)
+                assert noted == gc._kept(self.s, now, set(), noted=False), age
+        finally:
+            self.s.policies.set("v", None, keep_newer=None)
 
     @rule()
     def accounting_is_exact(self) -> None:

@@ -32,6 +32,7 @@ POS = struct.Struct("<IQ")    # pack number, offset
 # fencing token, expiry (ns since the epoch), hash of the lease id (zeros: none); holder follows
 LEASE = struct.Struct("<QQ16s")
 COUNT = struct.Struct("<Q")   # references to an object from indexed nodes; bytes in a pack
+HIST = struct.Struct("<Q")    # a snapshot's time (ns); its parent's id follows (none: a root)
 PACKNO = struct.Struct(">I")  # a pack number as a key (big-endian: sorted)
 COUNTED = b"gc-counted"       # meta key: the GC accounting tables are exact (see below)
 # A whole-index scan hands its mapped pages back this often (entries): LMDB reads through a
@@ -41,6 +42,9 @@ COUNTED = b"gc-counted"       # meta key: the GC accounting tables are exact (se
 RELEASE_EVERY = 4_096
 # ... and lookups this often: each faults in a few pages and their neighbours (~12 MiB).
 RELEASE_LOOKUPS = 64
+# GC drops objects in transactions that name at most this many ids together (each costs
+# a count update: a dirty page copied in memory until the commit).
+FORGET_REFS = 16_384
 # (object id, its Loc) -> the ids it names (engine/objects.py `references`), read from its
 # frame: the accounting tables need them when an object is first indexed. None: unreadable.
 RefsOf = Callable[[bytes, "Loc"], "list[bytes] | None"]
@@ -91,6 +95,11 @@ class Index:
         self.counts = self.env.open_db(b"counts")
         self.zero = self.env.open_db(b"zero")
         self.packbytes = self.env.open_db(b"packbytes")
+        # What GC's roots need of each snapshot it walked (its parent and time), so a
+        # pass reads only snapshots new since the last one (docs/design.md "GC
+        # accounting"). A memo of immutable facts: content addressing makes an entry
+        # right forever, so it may lag, outlive its snapshot or be empty.
+        self.history = self.env.open_db(b"history")
         # Objects indexed, moved or dropped since the bucket checkpoint named by meta
         # `cp-base`: the next checkpoint's own run (engine/tiercheckpoints.py). The value
         # is a change counter, so a checkpoint clears only what it took.
@@ -359,6 +368,7 @@ class Index:
             delta: dict[int, int] = {}
             mark = _next_change(txn, self) if objects else b""
             for oid, loc in objects:
+                self.touched()  # a batch of 16k lookups would otherwise fault the map in
                 old = txn.get(oid, db=self.objects)
                 txn.put(oid, LOC.pack(*loc), db=self.objects)
                 txn.put(oid, mark, db=self.changed)
@@ -394,6 +404,7 @@ class Index:
                 txn.put(oid, mark, db=self.changed)
             for sid in expired:
                 txn.put(sid, stamp, db=self.expired)
+                txn.delete(sid, db=self.history)
 
     def expired_items(self) -> list[tuple[bytes, bytes]]:
         with self.env.begin(db=self.expired) as txn:
@@ -496,10 +507,31 @@ class Index:
         out: list[tuple[bytes, Loc]] = []
         with self.env.begin() as txn:
             for k in txn.cursor(db=self.zero).iternext(values=False):
+                self.touched()
                 v = txn.get(k, db=self.objects)
                 if v is not None:
                     out.append((bytes(k), _loc(LOC.unpack(v))))
         return out
+
+    def history_of(self, sid: bytes) -> tuple[bytes | None, int] | None:
+        """A snapshot's (parent, time_ns) as GC noted it, or None if it never did."""
+        self.touched()
+        with self.env.begin(db=self.history) as txn:
+            v = txn.get(sid)
+        if v is None or len(v) not in (HIST.size, HIST.size + 32):
+            return None
+        return (bytes(v[HIST.size:]) or None), HIST.unpack_from(v)[0]
+
+    def note_history(self, facts: Iterable[tuple[bytes, bytes | None, int]]) -> None:
+        """Note (snapshot, parent, time_ns) of snapshots GC has read."""
+        with self.env.begin(write=True, db=self.history) as txn:
+            for sid, parent, time_ns in facts:
+                txn.put(sid, HIST.pack(time_ns) + (parent or b""))
+
+    def clear_history(self) -> None:
+        """Forget every noted snapshot (found wrong): GC reads them again."""
+        with self.env.begin(write=True) as txn:
+            txn.drop(self.history, delete=False)
 
     def pack_bytes(self) -> dict[int, int]:
         """Indexed bytes per pack (frames of objects the index points into it)."""
@@ -508,21 +540,45 @@ class Index:
 
     def forget_counted(self, gone: dict[bytes, tuple[Loc, list[bytes]]],
                        expired: Iterable[bytes] = ()) -> None:
-        """Drop dead objects (with the ids each names) and note expired snapshots, atomically.
+        """Drop dead objects (with the ids each names) and note expired snapshots.
 
-        The objects they name lose one reference each in the same transaction.
+        Each object goes in one transaction with the references it names (they
+        lose one each) and, if it is a snapshot in `expired`, its expiry; one
+        transaction takes objects naming at most `FORGET_REFS` ids in all, so a
+        batch of wide trees neither copies a large part of the B-tree into
+        dirty pages nor faults the map in (its pages are handed back as it goes).
         """
         stamp = struct.pack("<Q", time.time_ns())
-        with self.env.begin(write=True) as txn:
-            self._forget_locked(txn, gone)
-            for sid in expired:
-                txn.put(sid, stamp, db=self.expired)
+        expired = set(expired)
+        items = list(gone.items())
+        start = 0
+        while True:
+            end, refs = start, 0
+            while end < len(items) and (end == start
+                                        or refs + len(items[end][1][1]) <= FORGET_REFS):
+                refs += len(items[end][1][1])
+                end += 1
+            part = dict(items[start:end])
+            last = end >= len(items)
+            with self.env.begin(write=True) as txn:
+                self._forget_locked(txn, part)
+                for sid in [o for o in part if o in expired] + (
+                        sorted(expired - gone.keys()) if last else []):
+                    txn.put(sid, stamp, db=self.expired)
+                    txn.delete(sid, db=self.history)
+            if last:
+                return
+            start = end
 
     def _forget_locked(self, txn: lmdb.Transaction,
                        gone: dict[bytes, tuple[Loc, list[bytes]]]) -> None:
         delta: dict[int, int] = {}
+        # Summed first: the objects of one batch name the same nodes over and over (old
+        # root trees name most directories), and each count is then written once.
+        lost: dict[bytes, int] = {}
         mark = _next_change(txn, self) if gone else b""
         for oid, (loc, kids) in gone.items():
+            self.touched()
             if not txn.delete(oid, db=self.objects):
                 continue
             txn.put(oid, mark, db=self.changed)  # the next bucket checkpoint's tombstone
@@ -530,10 +586,13 @@ class Index:
             txn.delete(oid, db=self.zero)
             delta[loc.pack] = delta.get(loc.pack, 0) - loc.length
             for kid in dict.fromkeys(kids):
-                self._add_count(txn, kid, -1)
+                lost[kid] = lost.get(kid, 0) - 1
+        for kid, by in lost.items():
+            self._add_count(txn, kid, by)
         self._add_packbytes(txn, delta)
 
     def _add_count(self, txn: lmdb.Transaction, oid: bytes, by: int) -> None:
+        self.touched()  # pages of three tables, read through the map
         v = txn.get(oid, db=self.counts)
         n = (COUNT.unpack(v)[0] if v is not None else 0) + by
         if n < 0:  # a reference dropped twice: the tables are wrong, never trust them

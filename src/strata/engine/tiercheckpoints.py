@@ -138,11 +138,15 @@ class Checkpoints(TierState):
             self._cp_taken += 1  # this checkpoint's view of the packs, numbered
             taken = self._cp_taken
         old = list(self._manifest)
+        # A run sits where runs of its size would (a run of everything, or the delta of
+        # a bulk load), so it is merged with runs like it, not rewritten by the next few
+        # small deltas; never above the newest run's level, so levels only grow with
+        # age and a level's runs stay adjacent.
+        level = size_level(sum(p.entries for p in written))
+        if not full and old:
+            level = min(level, old[0].level)
+        written = [replace(p, level=level) for p in written]
         if full:
-            # A run of everything sits where runs of its size would (tiered by size), so
-            # it is merged with runs like it, not rewritten by the next few deltas.
-            level = size_level(sum(p.entries for p in written))
-            written = [replace(p, level=level) for p in written]
             self._merging = None
         parts = written if full else written + old
         if self.index_complete():

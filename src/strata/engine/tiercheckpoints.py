@@ -146,12 +146,13 @@ class Checkpoints(TierState):
         if not full and old:
             level = min(level, old[0].level)
         written = [replace(p, level=level) for p in written]
-        if full:
-            self._merging = None
+        # The merge state changes with the manifest, once this checkpoint is in the log:
+        # a checkpoint that fails leaves both as the last one named them.
+        merging = None if full else self._merging
         parts = written if full else written + old
         if self.index_complete():
             budget = max(self.merge_floor, self.merge_rate * sum(p.entries for p in written))
-            parts = self._merge(parts, stamp, budget)
+            parts, merging = self._merge(parts, merging, stamp, budget)
         log_from = min(unsent) if unsent else (self.log.next or 0)
         tables_ref = {
             "packs": self._table("packs", packs_rows(remote), stamp),
@@ -161,7 +162,7 @@ class Checkpoints(TierState):
                         refs=tables["refs"], leases=tables["leases"], packs=remote,
                         parts=parts, log_from=log_from, block_size=self._block_size,
                         expired=tables["expired"], policies=tables["policies"],
-                        tables=tables_ref, merge=self._merging)
+                        tables=tables_ref, merge=merging)
         name = f"checkpoints/{stamp}"
         data = cp.encode()
         self.bucket.put_new(name, data)
@@ -189,6 +190,7 @@ class Checkpoints(TierState):
             self._cp_done = max(self._cp_done, taken)
             self._doomed.extend((g, taken - 1) for g in gone)
         self._manifest, self._tables_ref, self._cp_name = parts, tables_ref, name
+        self._merging = merging
         self.log.write_hint()
         if self.index_complete():
             self._hydrated = name  # the local index holds all of it
@@ -245,17 +247,18 @@ class Checkpoints(TierState):
             put(writer)
         return parts
 
-    def _merge(self, parts: list[Part], stamp: str, budget: int) -> list[Part]:
+    def _merge(self, parts: list[Part], m: Merge | None, stamp: str, budget: int
+               ) -> tuple[list[Part], Merge | None]:
         """Merge runs while `FANOUT` of them share a level, `budget` ids at most.
 
         Tiered (engine/checkpoint.py); a level's backlog lifts the bound. One merge
         is in progress at a time; what is left of it waits for the next checkpoint,
-        named in this one's manifest (`Merge`).
+        named in this one's manifest (`Merge`): `m` is the one in progress, and the
+        runs and the merge in progress after are returned.
         """
         runs = runs_of(parts)
         bound: int | None = budget
         while True:
-            m = self._merging
             busy = set(m.inputs) | {m.out} if m is not None else set()
             counts = Counter(r[0].level for r in runs if r[0].run not in busy)
             if m is not None and any(c >= MERGE_BACKLOG for c in counts.values()):
@@ -276,20 +279,24 @@ class Checkpoints(TierState):
                 m = Merge(self._next_run, full, [runs[i][0].run for i in chosen],
                           drop=chosen[-1] == len(runs) - 1)  # nothing older: tombstones go
                 self._next_run += 1
-                self._merging = m
-            runs, done = self._merge_some(runs, m, bound, stamp)
+            runs, m, done = self._merge_some(runs, m, bound, stamp)
             if bound is not None:
                 bound -= done
-        return [p for r in runs for p in r]
+            elif m is None:
+                bound = 0  # the backlog's merge ended: the next one starts paced
+        return [p for r in runs for p in r], m
 
     def _merge_some(self, runs: list[list[Part]], m: Merge, bound: int | None, stamp: str
-                    ) -> tuple[list[list[Part]], int]:
-        """Go on with merge `m` for at most `bound` ids: (the runs after, ids merged)."""
+                    ) -> tuple[list[list[Part]], Merge | None, int]:
+        """Go on with merge `m` for at most `bound` ids.
+
+        Returns the runs after, the merge still in progress (None: it ended), and the
+        ids merged.
+        """
         ids = [r[0].run for r in runs]
         if any(r not in ids for r in m.inputs):  # cannot happen: runs leave only by merges
             _log.error("the merge into run %d lost its inputs; abandoned", m.out)
-            self._merging = None
-            return [r for r in runs if r[0].run != m.out], 0
+            return [r for r in runs if r[0].run != m.out], None, 0
         readers = [[self._part_reader(p) for p in r] for r in runs if r[0].run in m.inputs]
         entries = merged(readers, m.after)
         count, last, done = 0, m.after, True
@@ -312,17 +319,17 @@ class Checkpoints(TierState):
         first_in = ids.index(m.inputs[0])
         newer = [r for r in runs[:first_in] if r[0].run != m.out]
         older = runs[first_in:]
+        after: Merge | None = None
         if done:
             older = [r for r in older if r[0].run not in m.inputs]
-            self._merging = None
             _log.info("merged %d index run(s) of level %d into run %d of %d part(s)",
                       len(m.inputs), m.level, m.out, len(out))
         else:
-            self._merging = replace(m, after=last)
+            after = replace(m, after=last)
             _log.info("merging %d index run(s) of level %d: %d id(s) more, %d part(s) so far",
                       len(m.inputs), m.level, count, len(out))
         self.stats["merged_entries"] += count
-        return newer + ([out] if out else []) + older, count
+        return newer + ([out] if out else []) + older, after, count
 
     def _part_reader(self, part: Part) -> PartReader:
         return PartReader(part, lambda s, e: self.bucket.get_range(part.name, s, e))

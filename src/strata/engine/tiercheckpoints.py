@@ -202,6 +202,7 @@ class Checkpoints(TierState):
         self.stats["checkpoint_bytes"] = len(data) + sum(
             self._written_bytes.pop(n, 0) for n in list(self._written_bytes))
         self.stats["checkpoint_bytes_total"] += self.stats["checkpoint_bytes"]
+        self.stats["delta_entries"] += sum(p.entries for p in written)
         self.stats["index_runs"] = len(runs_of(parts))
         self.stats["index_parts"] = len(parts)
         self.stats["last_checkpoint"] = time.time()

@@ -128,7 +128,7 @@ class TierState(PackStore):
                       "index_entries_hydrated": 0, "packs_deleted": 0,
                       "index_objects_deleted": 0, "checkpoint_bytes": 0, "index_runs": 0,
                       "checkpoint_bytes_total": 0, "index_parts": 0,
-                      "merged_entries": 0}
+                      "merged_entries": 0, "delta_entries": 0}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fence_thread: threading.Thread | None = None

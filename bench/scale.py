@@ -14,13 +14,21 @@ loopback, explicit local credentials) and a fresh store:
   checkpoint written).
 - Then everything goes through public surfaces: a `strata serve` process, the
   `RemoteStore` client on its unix socket, and the `strata` CLI.
-- **Publish** p50/p99: 4 KiB puts, back to back, into the large volume.
+- **Publish** p50/p99: 4 KiB puts, back to back, into the large volume, each
+  into a directory not read yet (cold: the first read decodes the directory);
+  then the same number into ten directories already read (warm), whose p50
+  is what store size alone costs a publish.
 - **1 publish a second** for 60 s (30 s with --quick): the server's CPU
   (utime+stime from /proc/PID/stat) and the bytes added to the bucket (moto's
   listing before and after, once shipping and checkpoints have settled),
   beside the change's own bytes (what the publishes added to the local packs,
   `bytes_written` in `strata stats --json`). Bytes per checkpoint are the
   window's new `checkpoints/` and `runs/` bytes over its new checkpoints.
+- **Steady state**: a second window, twice as long, right after the first,
+  once the bulk load's runs have found their levels: bytes per checkpoint,
+  and the bytes the tier sent the bucket (log segments, packs, checkpoints,
+  runs and tables, from its own counters, so deletions do not hide them)
+  over the change's own bytes; with the merged ids per checkpoint.
 - **Old index runs** left under `runs/` at the end of the window.
 - **GC**: `strata policy set data --keep-last 100`, a first pass over the
   whole store, 1,000 small publishes, then the pass that is timed (wall time
@@ -76,6 +84,8 @@ class Size:
     packs_bytes: int = 0
     pub_p50: float = 0.0
     pub_p99: float = 0.0
+    pub_warm_p50: float = 0.0
+    pub_warm_p99: float = 0.0
     window_s: float = 0.0
     window_publishes: int = 0
     cpu_core: float = 0.0            # server CPU seconds / wall seconds, at 1 publish/s
@@ -84,6 +94,12 @@ class Size:
     payload_bytes: int = 0
     checkpoints: int = 0
     per_checkpoint: float = 0.0
+    steady_s: float = 0.0
+    steady_checkpoints: int = 0
+    steady_per_checkpoint: float = 0.0
+    steady_sent: int = 0             # bytes the tier sent the bucket in the steady window
+    steady_change: int = 0
+    steady_merged: float = 0.0       # merged ids per checkpoint in the steady window
     runs_left: int = 0
     runs_left_bytes: int = 0
     gc_first_s: float | None = None
@@ -271,6 +287,10 @@ def measure(work: str, label: str, objects: int, *, window: float, publishes: in
         lat = [_put(remote, f"d{i % dirs:05d}/p{i:06d}", payload[:-8] + i.to_bytes(8, "big"))
                for i in range(publishes)]
         res.pub_p50, res.pub_p99 = _pct(lat, 0.5), _pct(lat, 0.99)
+        # The same puts into ten directories the cold series already read.
+        warm = [_put(remote, f"d{i % min(10, dirs):05d}/q{i:06d}",
+                     payload[:-8] + i.to_bytes(8, "big")) for i in range(publishes)]
+        res.pub_warm_p50, res.pub_warm_p99 = _pct(warm, 0.5), _pct(warm, 0.99)
 
         print(f"scale {label}: {window:.0f} s at 1 publish/s", file=sys.stderr, flush=True)
         before_st = _settle(store)
@@ -298,6 +318,29 @@ def measure(work: str, label: str, objects: int, *, window: float, publishes: in
         # Parts the newest checkpoint does not name (older stores: every run but one).
         res.runs_left = max(0, runs[0] - int(b1.get("index_parts", 1)))
         res.runs_left_bytes = runs[1]
+
+        print(f"scale {label}: steady state, {2 * window:.0f} s at 1 publish/s",
+              file=sys.stderr, flush=True)
+        w0 = time.perf_counter()
+        for i in range(int(2 * window)):
+            time.sleep(max(0.0, w0 + i - time.perf_counter()))
+            _put(remote, f"d{i % dirs:05d}/s{i:06d}",
+                 payload[:-8] + (2 * 10**9 + i).to_bytes(8, "big"))
+        steady_st = _settle(store)
+        res.steady_s = time.perf_counter() - w0
+        b2 = steady_st["bucket"]
+
+        def sent(b: dict[str, Any]) -> int:
+            return int(b["segment_bytes"] + b["bytes_uploaded"]
+                       + b.get("checkpoint_bytes_total", 0))
+        res.steady_checkpoints = b2["checkpoints"] - b1["checkpoints"]
+        res.steady_sent = sent(b2) - sent(b1)
+        res.steady_change = steady_st["bytes_written"] - after_st["bytes_written"]
+        steady_cp = b2.get("checkpoint_bytes_total", 0) - b1.get("checkpoint_bytes_total", 0)
+        merged = b2.get("merged_entries", 0) - b1.get("merged_entries", 0)
+        if res.steady_checkpoints:
+            res.steady_per_checkpoint = steady_cp / res.steady_checkpoints
+            res.steady_merged = merged / res.steady_checkpoints
 
         if smaller is None or not too_long(smaller.gc_first_s):
             print(f"scale {label}: gc", file=sys.stderr, flush=True)
@@ -388,6 +431,11 @@ def rows_for(small: Size, big: Size) -> list[dict[str, Any]]:
             small.pub_p50 * 1000, b, "within 1.5x", met=_within(big.pub_p50, small.pub_p50)),
         row(f"scale: publish p99, 4 KiB put, {big.label}", big.pub_p99 * 1000, "ms",
             small.pub_p99 * 1000, b),
+        row(f"scale: publish p50, 4 KiB put into a directory already read, {big.label}",
+            big.pub_warm_p50 * 1000, "ms", small.pub_warm_p50 * 1000, b, "within 1.5x",
+            met=_within(big.pub_warm_p50, small.pub_warm_p50)),
+        row(f"scale: publish p99, 4 KiB put into a directory already read, {big.label}",
+            big.pub_warm_p99 * 1000, "ms", small.pub_warm_p99 * 1000, b),
         row(f"scale: bytes per checkpoint, {big.label}", big.per_checkpoint / MIB, "MiB",
             small.per_checkpoint / MIB, b, "within 1.5x",
             met=_within(big.per_checkpoint, small.per_checkpoint)),
@@ -403,6 +451,18 @@ def rows_for(small: Size, big: Size) -> list[dict[str, Any]]:
             "payload"),
         row(f"scale: checkpoints in the window, {big.label}", big.checkpoints, "checkpoints",
             small.checkpoints, b),
+        row(f"scale: steady state, bytes per checkpoint, {big.label}",
+            big.steady_per_checkpoint / MIB, "MiB", small.steady_per_checkpoint / MIB, b,
+            "within 1.5x", met=_within(big.steady_per_checkpoint, small.steady_per_checkpoint)),
+        row(f"scale: steady state, merged index ids per checkpoint, {big.label}",
+            big.steady_merged, "ids", small.steady_merged, b),
+    ]
+    for s in (small, big):
+        out.append(row(f"scale: steady state, bytes sent to the bucket over "
+                       f"{s.steady_s:.0f} s at 1 publish/s, {s.label}", s.steady_sent / MIB,
+                       "MiB", s.steady_change / MIB, "the change's own pack bytes", "<= 3x",
+                       met=s.steady_sent <= 3 * s.steady_change))
+    out += [
         row(f"scale: server CPU at 1 publish/s, {big.label}", big.cpu_core * 100,
             "% of a core", small.cpu_core * 100, b, "<= 5%", met=big.cpu_core <= 0.05),
         row(f"scale: old index runs left in the bucket, {big.label}", big.runs_left, "runs",

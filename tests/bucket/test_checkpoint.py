@@ -18,6 +18,7 @@ from strata.engine.checkpoint import (
     ENTRY,
     RUN_MAGIC,
     Checkpoint,
+    Merge,
     Part,
     PartReader,
     encode_part,
@@ -65,8 +66,16 @@ def test_a_checkpoint_round_trips_and_refuses_damage() -> None:
     assert (back.parts, back.tables, back.refs, back.policies, back.name) == (
         parts, cp.tables, cp.refs, cp.policies, "checkpoints/x")
     body = msgpack.unpackb(data[37:])
-    with pytest.raises(Corrupt, match="checkpoint version 5 .*upgrade"):
-        Checkpoint.decode("checkpoints/new", frame_record(CHECKPOINT_MAGIC, 5, body))
+    with pytest.raises(Corrupt, match="checkpoint version 6 .*upgrade"):
+        Checkpoint.decode("checkpoints/new", frame_record(CHECKPOINT_MAGIC, 6, body))
+    # Version 4 (no merge in progress) still reads; version 5 carries one.
+    v4 = {k: v for k, v in body.items() if k != "merge"}
+    assert Checkpoint.decode("checkpoints/v4", frame_record(CHECKPOINT_MAGIC, 4, v4)).parts == parts
+    cp.merge = Merge(3, 0, [2, 1], b"\x00" * 31 + b"\x07", drop=True)
+    assert Checkpoint.decode("checkpoints/m", cp.encode()).merge == cp.merge
+    cp.merge = Merge(3, 0, [2, 9], b"")  # an input the manifest does not hold
+    with pytest.raises(Corrupt, match="merge in progress is described wrongly"):
+        Checkpoint.decode("checkpoints/m", cp.encode())
     for bad in (data[:-1], b"STRC\x09" + data[5:], data[:40] + bytes([data[40] ^ 1]) + data[41:]):
         with pytest.raises(Corrupt, match="checkpoints/x"):
             Checkpoint.decode("checkpoints/x", bad)

@@ -13,7 +13,10 @@ Since checkpoint version 4 the index is an LSM of runs (the checkpoint's
 since the one before: objects indexed, moved or dropped (a tombstone). Runs
 are merged in the background, tiered: when `FANOUT` runs share a level they
 become one run of the next level, so an entry is rewritten about once per
-level, log_FANOUT(objects / change) times in all. A run is cut into parts of
+level, log_FANOUT(objects / change) times in all. Since version 5 a merge may
+span checkpoints: each does a bounded share of it (`MERGE_FLOOR`, `MERGE_RATE`)
+and names what is left (`Merge`), so no one checkpoint rewrites most of the
+index (docs/design.md, "Merge pacing"). A run is cut into parts of
 at most `PART_ENTRIES` entries, so a merge holds one part's bytes in memory, not a
 run. The packs table and the expired snapshots are objects of their own,
 written only when they change. So the bytes a checkpoint writes grow with the
@@ -43,8 +46,10 @@ from strata.engine.errors import Corrupt
 from strata.engine.index import Loc
 
 CHECKPOINT_MAGIC = b"STRC"
-CHECKPOINT_VERSION = 4  # 4: runs (the manifest), tables apart; 3: `policies`; 2: `expired`
-CHECKPOINT_VERSIONS = (1, 2, 3, 4)  # what this strata reads
+# 5: a merge in progress (`merge`); 4: runs (the manifest), tables apart; 3: `policies`;
+# 2: `expired`
+CHECKPOINT_VERSION = 5
+CHECKPOINT_VERSIONS = (1, 2, 3, 4, 5)  # what this strata reads
 RUN_MAGIC = b"STRI"
 RUN_VERSION = 2          # 2: tombstones, and the fence table at the end
 RUN_VERSIONS = (1, 2)
@@ -58,6 +63,15 @@ TOMBSTONE = 0            # an entry's kind: the object left the index
 PART_ENTRIES = 256 * BLOCK_ENTRIES  # a part's most entries: 12.6 MB, what a merge holds
 INLINE_FENCES = 16       # parts with at most this many blocks carry their fences inline
 FANOUT = 8               # runs of one level merged into one of the next
+# A checkpoint merges at most max(MERGE_FLOOR, MERGE_RATE x its own entries) entries
+# (docs/design.md, "Index runs"): the floor keeps merges ahead of the incoming rate, and
+# cuts a merged run into parts of 32 blocks, so their fences are not inline in the
+# manifest (1M objects: about 31 parts of 150 bytes each in every checkpoint).
+MERGE_FLOOR = 32 * BLOCK_ENTRIES
+MERGE_RATE = 4
+# A level that collects this many runs while another level's merge is in progress
+# lifts the bound: that merge finishes in this checkpoint, so lookups stay bounded.
+MERGE_BACKLOG = 2 * FANOUT
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +115,37 @@ class Part:
 
 
 @dataclass(slots=True)
+class Merge:
+    """A merge in progress (checkpoint version 5): runs `inputs` into run `out`.
+
+    `out` holds the merged entries of every id up to and including `after`, and
+    sits in the manifest just before its inputs, which stay whole until the merge
+    ends. A lookup reads runs newest first, so ids up to `after` are answered by
+    `out` (or, for a tombstone it dropped, by the inputs' own tombstone), and
+    later ids by the inputs, as before the merge began.
+    """
+
+    out: int                  # the output run's id
+    level: int                # the inputs' level; `out` is one above it
+    inputs: list[int]         # the input runs' ids, newest first, adjacent in the manifest
+    after: bytes = b""        # the last id merged (b"": none yet)
+    drop: bool = False        # the inputs include the oldest run: tombstones go
+
+    def to_list(self) -> list[Any]:
+        return [self.out, self.level, self.inputs, self.after, self.drop]
+
+    @classmethod
+    def from_list(cls, raw: list[Any], parts: list[Part]) -> Merge:
+        out, level, inputs, after, drop = raw
+        merge = cls(int(out), int(level), [int(r) for r in inputs], bytes(after), bool(drop))
+        runs = [r[0].run for r in runs_of(parts)]
+        if (len(merge.after) not in (0, 32) or len(merge.inputs) < 2
+                or any(r not in runs for r in merge.inputs)):
+            raise ValueError("the merge in progress is described wrongly")
+        return merge
+
+
+@dataclass(slots=True)
 class Checkpoint:
     """The tables at journal position `applied`, and where the rest lives."""
 
@@ -119,6 +164,7 @@ class Checkpoint:
     # Version 4: the packs table and the expired snapshots are objects of their own
     # (name, BLAKE3-256), shared by checkpoints until they change; `load_tables` reads them.
     tables: dict[str, tuple[str, bytes]] = field(default_factory=dict)
+    merge: Merge | None = None                   # version 5: a merge in progress
     name: str = ""                               # its bucket name (not encoded)
     version: int = CHECKPOINT_VERSION            # what it was read as
     raw: bytes = b""                             # the bytes it was read from
@@ -132,7 +178,8 @@ class Checkpoint:
             "refs": [[v, b, bytes.fromhex(s)] for (v, b), s in sorted(self.refs.items())],
             "leases": self.leases, "log_from": self.log_from, "block_size": self.block_size,
             "parts": [p.to_list() for p in self.parts], "policies": self.policies,
-            "tables": {k: [n, h] for k, (n, h) in sorted(self.tables.items())}})
+            "tables": {k: [n, h] for k, (n, h) in sorted(self.tables.items())},
+            "merge": self.merge.to_list() if self.merge is not None else None})
 
     @classmethod
     def decode(cls, name: str, data: bytes) -> Checkpoint:
@@ -153,6 +200,8 @@ class Checkpoint:
                 cp.tables = {str(k): (str(v[0]), bytes(v[1])) for k, v in b["tables"].items()}
                 if set(cp.tables) != {"packs", "expired"}:
                     raise ValueError("tables are not packs and expired")
+                if version >= 5 and b["merge"] is not None:
+                    cp.merge = Merge.from_list(list(b["merge"]), cp.parts)
                 return cp
             cp.packs = _packs_of(b["packs"])
             cp.expired = _ids(bytes(b.get("expired", b"")))
@@ -289,10 +338,13 @@ class PartReader:
         start = RUN_HEAD + i * BLOCK_BYTES
         return self._decode_block(i, start, self._read(start, start + n * ENTRY.size + 32), n)
 
-    def read_all(self, blocks_per_read: int = 64) -> Iterator[list[Entry]]:
-        """Every entry, a verified block at a time, `blocks_per_read` blocks per ranged read."""
+    def read_all(self, blocks_per_read: int = 64, start: int = 0) -> Iterator[list[Entry]]:
+        """Every entry from block `start` on, a verified block at a time.
+
+        `blocks_per_read` blocks come in one ranged read.
+        """
         nblocks = self.part.blocks
-        for first in range(0, nblocks, blocks_per_read):
+        for first in range(start, nblocks, blocks_per_read):
             last = min(first + blocks_per_read, nblocks)
             start = RUN_HEAD + first * BLOCK_BYTES
             n_last = self.entries - (last - 1) * BLOCK_ENTRIES
@@ -334,6 +386,14 @@ def find_in_block(block: list[Entry], oid: bytes) -> tuple[bool, Loc | None]:
     return False, None
 
 
+def size_level(entries: int) -> int:
+    """The level a run of `entries` gets when it is written whole (not by a merge)."""
+    level = 0
+    while entries > BLOCK_ENTRIES * FANOUT ** level:
+        level += 1
+    return level
+
+
 def runs_of(parts: list[Part]) -> list[list[Part]]:
     """The manifest's parts grouped by run, newest run first, each run's parts by id."""
     out: list[list[Part]] = []
@@ -345,13 +405,20 @@ def runs_of(parts: list[Part]) -> list[list[Part]]:
     return out
 
 
-def merged(runs: list[list[PartReader]]) -> Iterator[Entry]:
-    """Every id of `runs` (newest first) once, as the newest run that has it says."""
+def merged(runs: list[list[PartReader]], after: bytes = b"") -> Iterator[Entry]:
+    """Every id of `runs` (newest first) above `after` once, as the newest run that has it says.
+
+    Parts and blocks wholly at or below `after` are not read.
+    """
     def stream(rank: int, readers: list[PartReader]) -> Iterator[tuple[bytes, int, Loc | None]]:
-        for r in readers:
-            for block in r.read_all():
+        for j, r in enumerate(readers):
+            if after and j + 1 < len(readers) and readers[j + 1].part.first <= after:
+                continue  # every id of this part is below the next part's first
+            start = max(r.block_of(after) or 0, 0) if after else 0
+            for block in r.read_all(start=start):
                 for oid, loc in block:
-                    yield oid, rank, loc
+                    if oid > after:
+                        yield oid, rank, loc
 
     last: bytes | None = None
     for oid, _rank, loc in heapq.merge(*(stream(i, rs) for i, rs in enumerate(runs))):

@@ -16,7 +16,9 @@ import logging
 import mmap
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import blake3
@@ -25,8 +27,12 @@ from strata.engine import pack as packfmt
 from strata.engine.checkpoint import (
     FANOUT,
     INLINE_FENCES,
+    MERGE_BACKLOG,
+    MERGE_FLOOR,
+    MERGE_RATE,
     PART_ENTRIES,
     Checkpoint,
+    Merge,
     Part,
     PartReader,
     PartWriter,
@@ -34,6 +40,7 @@ from strata.engine.checkpoint import (
     merged,
     packs_rows,
     runs_of,
+    size_level,
 )
 from strata.engine.errors import BucketUnavailable
 from strata.engine.index import Loc
@@ -56,6 +63,11 @@ def pack_object_name(number: int, epoch: int, attempt: str) -> str:
 
 class Checkpoints(TierState):
     """Uploading sealed packs, writing checkpoints, deleting what no checkpoint needs."""
+
+    # The merge work a checkpoint may do (engine/checkpoint.py); tests lower the floor
+    # to catch a merge in progress with a small store.
+    merge_floor = MERGE_FLOOR
+    merge_rate = MERGE_RATE
 
     def _upload(self, number: int) -> None:
         # A fresh name per attempt: an attempt cut short by an outage can leave an
@@ -126,9 +138,21 @@ class Checkpoints(TierState):
             self._cp_taken += 1  # this checkpoint's view of the packs, numbered
             taken = self._cp_taken
         old = list(self._manifest)
+        # A run sits where runs of its size would (a run of everything, or the delta of
+        # a bulk load), so it is merged with runs like it, not rewritten by the next few
+        # small deltas; never above the newest run's level, so levels only grow with
+        # age and a level's runs stay adjacent.
+        level = size_level(sum(p.entries for p in written))
+        if not full and old:
+            level = min(level, old[0].level)
+        written = [replace(p, level=level) for p in written]
+        # The merge state changes with the manifest, once this checkpoint is in the log:
+        # a checkpoint that fails leaves both as the last one named them.
+        merging = None if full else self._merging
         parts = written if full else written + old
         if self.index_complete():
-            parts = self._merge(parts, stamp)
+            budget = max(self.merge_floor, self.merge_rate * sum(p.entries for p in written))
+            parts, merging = self._merge(parts, merging, stamp, budget)
         log_from = min(unsent) if unsent else (self.log.next or 0)
         tables_ref = {
             "packs": self._table("packs", packs_rows(remote), stamp),
@@ -138,7 +162,7 @@ class Checkpoints(TierState):
                         refs=tables["refs"], leases=tables["leases"], packs=remote,
                         parts=parts, log_from=log_from, block_size=self._block_size,
                         expired=tables["expired"], policies=tables["policies"],
-                        tables=tables_ref)
+                        tables=tables_ref, merge=merging)
         name = f"checkpoints/{stamp}"
         data = cp.encode()
         self.bucket.put_new(name, data)
@@ -166,6 +190,7 @@ class Checkpoints(TierState):
             self._cp_done = max(self._cp_done, taken)
             self._doomed.extend((g, taken - 1) for g in gone)
         self._manifest, self._tables_ref, self._cp_name = parts, tables_ref, name
+        self._merging = merging
         self.log.write_hint()
         if self.index_complete():
             self._hydrated = name  # the local index holds all of it
@@ -177,6 +202,7 @@ class Checkpoints(TierState):
         self.stats["checkpoint_bytes"] = len(data) + sum(
             self._written_bytes.pop(n, 0) for n in list(self._written_bytes))
         self.stats["checkpoint_bytes_total"] += self.stats["checkpoint_bytes"]
+        self.stats["delta_entries"] += sum(p.entries for p in written)
         self.stats["index_runs"] = len(runs_of(parts))
         self.stats["index_parts"] = len(parts)
         self.stats["last_checkpoint"] = time.time()
@@ -190,6 +216,14 @@ class Checkpoints(TierState):
                    ) -> list[Part]:
         """Upload sorted `entries` as a new run's parts (none if there are no entries)."""
         run = self._next_run  # above every run of the manifest (tierstate.py)
+        parts = self._write_parts(entries, run, level, stamp)
+        if parts:
+            self._next_run = run + 1
+        return parts
+
+    def _write_parts(self, entries: Iterable[tuple[bytes, Loc | None]], run: int, level: int,
+                     stamp: str) -> list[Part]:
+        """Upload sorted `entries` as parts of run `run` (a stamp is never used twice)."""
         parts: list[Part] = []
 
         def put(writer: PartWriter) -> None:
@@ -212,29 +246,91 @@ class Checkpoints(TierState):
                 writer = PartWriter()
         if writer.entries:
             put(writer)
-        if parts:
-            self._next_run = run + 1
         return parts
 
-    def _merge(self, parts: list[Part], stamp: str) -> list[Part]:
-        """Merge runs while `FANOUT` of them share a level (tiered: see engine/checkpoint.py)."""
+    def _merge(self, parts: list[Part], m: Merge | None, stamp: str, budget: int
+               ) -> tuple[list[Part], Merge | None]:
+        """Merge runs while `FANOUT` of them share a level, `budget` ids at most.
+
+        Tiered (engine/checkpoint.py); a level's backlog lifts the bound. One merge
+        is in progress at a time; what is left of it waits for the next checkpoint,
+        named in this one's manifest (`Merge`): `m` is the one in progress, and the
+        runs and the merge in progress after are returned.
+        """
         runs = runs_of(parts)
+        bound: int | None = budget
         while True:
-            levels = [r[0].level for r in runs]
-            full = next((lv for lv in sorted(set(levels)) if levels.count(lv) >= FANOUT), None)
-            if full is None:
-                return [p for r in runs for p in r]
-            chosen = [i for i, lv in enumerate(levels) if lv == full]
-            oldest = chosen[-1] == len(runs) - 1  # nothing older: tombstones can go
-            readers = [[self._part_reader(p) for p in runs[i]] for i in chosen]
-            entries = merged(readers)
-            if oldest:
-                entries = ((oid, loc) for oid, loc in entries if loc is not None)
-            new = self._write_run(entries, full + 1, stamp)
-            _log.info("merged %d index run(s) of level %d into one of %d part(s)",
-                      len(chosen), full, len(new))
-            runs = ([r for i, r in enumerate(runs) if i < chosen[0]] + ([new] if new else [])
-                    + [r for i, r in enumerate(runs) if i > chosen[-1]])
+            busy = set(m.inputs) | {m.out} if m is not None else set()
+            counts = Counter(r[0].level for r in runs if r[0].run not in busy)
+            if m is not None and any(c >= MERGE_BACKLOG for c in counts.values()):
+                bound = None  # a level waited too long: finish this merge now
+            if bound is not None and bound <= 0:
+                break
+            if m is None:
+                full = next((lv for lv in sorted(counts) if counts[lv] >= FANOUT), None)
+                if full is None:
+                    break
+                at = [i for i, r in enumerate(runs) if r[0].level == full]
+                first = len(at) - 1  # the oldest adjacent stretch of that level's runs
+                while first > 0 and at[first - 1] == at[first] - 1:
+                    first -= 1
+                chosen = at[first:]
+                if len(chosen) < 2:
+                    break
+                m = Merge(self._next_run, full, [runs[i][0].run for i in chosen],
+                          drop=chosen[-1] == len(runs) - 1)  # nothing older: tombstones go
+                self._next_run += 1
+            runs, m, done = self._merge_some(runs, m, bound, stamp)
+            if bound is not None:
+                bound -= done
+            elif m is None:
+                bound = 0  # the backlog's merge ended: the next one starts paced
+        return [p for r in runs for p in r], m
+
+    def _merge_some(self, runs: list[list[Part]], m: Merge, bound: int | None, stamp: str
+                    ) -> tuple[list[list[Part]], Merge | None, int]:
+        """Go on with merge `m` for at most `bound` ids.
+
+        Returns the runs after, the merge still in progress (None: it ended), and the
+        ids merged.
+        """
+        ids = [r[0].run for r in runs]
+        if any(r not in ids for r in m.inputs):  # cannot happen: runs leave only by merges
+            _log.error("the merge into run %d lost its inputs; abandoned", m.out)
+            return [r for r in runs if r[0].run != m.out], None, 0
+        readers = [[self._part_reader(p) for p in r] for r in runs if r[0].run in m.inputs]
+        entries = merged(readers, m.after)
+        count, last, done = 0, m.after, True
+
+        def limited() -> Iterator[tuple[bytes, Loc | None]]:
+            nonlocal count, last, done
+            for oid, loc in entries:
+                if bound is not None and count >= bound:
+                    done = False  # `oid` is read again next time
+                    return
+                count += 1
+                last = oid
+                if loc is None and m.drop:
+                    continue
+                yield oid, loc
+
+        out = next((r for r in runs if r[0].run == m.out), [])
+        new = self._write_parts(limited(), m.out, m.level + 1, f"{stamp}-{len(out)}")
+        out = out + new
+        first_in = ids.index(m.inputs[0])
+        newer = [r for r in runs[:first_in] if r[0].run != m.out]
+        older = runs[first_in:]
+        after: Merge | None = None
+        if done:
+            older = [r for r in older if r[0].run not in m.inputs]
+            _log.info("merged %d index run(s) of level %d into run %d of %d part(s)",
+                      len(m.inputs), m.level, m.out, len(out))
+        else:
+            after = replace(m, after=last)
+            _log.info("merging %d index run(s) of level %d: %d id(s) more, %d part(s) so far",
+                      len(m.inputs), m.level, count, len(out))
+        self.stats["merged_entries"] += count
+        return newer + ([out] if out else []) + older, after, count
 
     def _part_reader(self, part: Part) -> PartReader:
         return PartReader(part, lambda s, e: self.bucket.get_range(part.name, s, e))

@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from strata.engine.bucket import Bucket, OwnerLog
-from strata.engine.checkpoint import Checkpoint, Entry, Part, PartReader, runs_of
+from strata.engine.checkpoint import Checkpoint, Entry, Merge, Part, PartReader, runs_of
 from strata.engine.errors import StoreFailed
 from strata.engine.index import Index
 from strata.engine.packstore import LocalPacks, PackStore
@@ -83,6 +83,10 @@ class TierState(PackStore):
             dict(checkpoint.tables) if checkpoint else {})
         self._cp_name: str | None = cp_name
         self._next_run = 1 + max((p.run for p in self._manifest), default=0)
+        # The merge the last checkpoint left in progress, if any (engine/checkpoint.py).
+        self._merging: Merge | None = checkpoint.merge if checkpoint else None
+        if self._merging is not None:
+            self._next_run = max(self._next_run, self._merging.out + 1)
         self._written_bytes: dict[str, int] = {}
         if self._manifest and hydrated not in (
                 cp_name, *(p.name for p in self._manifest if len(self._manifest) == 1)):
@@ -123,7 +127,8 @@ class TierState(PackStore):
                       "outages": 0, "evicted": 0, "evicted_bytes": 0, "fetched_back": 0,
                       "index_entries_hydrated": 0, "packs_deleted": 0,
                       "index_objects_deleted": 0, "checkpoint_bytes": 0, "index_runs": 0,
-                      "checkpoint_bytes_total": 0, "index_parts": 0}
+                      "checkpoint_bytes_total": 0, "index_parts": 0,
+                      "merged_entries": 0, "delta_entries": 0}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fence_thread: threading.Thread | None = None

@@ -63,6 +63,18 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"
        "content-encoding"}
 
 
+def _stopped(store: LocalStore) -> str | None:
+    """Why an owned store can acknowledge nothing more: fenced, or its tier stopped.
+
+    A tier stopped for another reason kept its lease renewed by a store that
+    refused every publish: nobody else could claim it (seen in the fault rounds).
+    """
+    why = store.fenced()
+    if why is None:
+        why = (store.tier_report() or {}).get("failed")
+    return str(why) if why else None
+
+
 @dataclass
 class Owned:
     store: str
@@ -210,7 +222,7 @@ class Member:
                 for store, lease in zip(list(self.catalog), leases, strict=True):
                     self._observe_lease(store, lease)
                 for owned in list(self.owned.values()):
-                    why = owned.local.fenced() if owned.local is not None else None
+                    why = _stopped(owned.local) if owned.local is not None else None
                     if why is not None:
                         self._abandon(owned, why)
                 self._decide()

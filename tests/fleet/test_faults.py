@@ -43,6 +43,7 @@ from pathlib import Path
 import pytest
 from fleethosts import BucketProxy, FleetHosts
 from fleetutil import (
+    OUTAGE_RETRY,
     Churn,
     Faults,
     Fleet,
@@ -166,13 +167,17 @@ def one_round(fleet: Fleet, h: FleetHosts, proxy: BucketProxy, rng: random.Rando
     if kind in ("bucket500", "slow", "lose"):
         setting: dict[str, object] = {
             "bucket500": {"fail_status": 500, "fail_every": rng.randint(3, 9)},
-            "slow": {"delay": round(rng.uniform(0.05, 0.3), 2)},
+            # A claim's restore makes its requests one after another, and gives up
+            # after 30 s (member.CLAIM_TIMEOUT): at 0.3 s a request none finished.
+            "slow": {"delay": round(rng.uniform(0.01, 0.04), 3)},
             "lose": {"lose_answers": rng.randint(5, 20)}}[kind]
         note = json.dumps(setting)
+        print(f"  {kind} {note}, then kill {owner} (owner of {store})", flush=True)
         f = faults.begin(kind, None, note)
         proxy.set(**setting)  # type: ignore[arg-type]
         time.sleep(rng.uniform(0.5, 1.5))
-        k = faults.begin("kill", owner, "under " + kind)
+        k = faults.begin("kill", owner, "under " + kind,
+                         slack=OUTAGE_RETRY if kind == "bucket500" else 0.0)
         fleet.kill(owner)
         new = fleet.owner(store, 90, not_=owner)
         time.sleep(rng.uniform(0.2, 1.0))

@@ -358,7 +358,9 @@ def test_the_checker_fails_against_a_broken_build(
             time.sleep(6.0 if broken == "gc_log" else 1.5)
             fleet.resume(owner)
         # Two clients in turn: one on the old owner's host, one on the new owner's.
-        only_old = FleetStore([old_addr], store, retry_for=5.0, timeout=5.0)
+        # A broken old owner's first write goes around every record its successor
+        # wrote, a request or two each, through the bucket's proxy: give it time.
+        only_old = FleetStore([old_addr], store, retry_for=5.0, timeout=60.0)
         only_new = FleetStore([fleet.members[new].addr], store, retry_for=5.0, timeout=5.0)
         stale = History()
         for i in range(20 if fault != "kill" else 0):
@@ -389,6 +391,7 @@ def test_the_checker_fails_against_a_broken_build(
         print(f"{store} {fault} broken={broken!r}: {len(bad)} violation(s); the stale "
               "client: " + ", ".join(f"{o.path} {'ok' if o.ok else 'refused'} "
                                      f"{o.owner}/{o.epoch}" for o in stale.ops))
+        print("refused: " + "; ".join({o.error[:120] for o in stale.ops if not o.ok}))
         print("\n".join(bad[:5]))
         if broken:
             assert bad, f"the checker passed a broken build ({broken})"

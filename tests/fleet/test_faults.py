@@ -179,7 +179,7 @@ def one_round(fleet: Fleet, h: FleetHosts, proxy: BucketProxy, rng: random.Rando
         k = faults.begin("kill", owner, "under " + kind,
                          slack=OUTAGE_RETRY if kind == "bucket500" else 0.0)
         fleet.kill(owner)
-        new = fleet.owner(store, 90, not_=owner)
+        new = fleet.owner(store, 120, not_=owner)
         time.sleep(rng.uniform(0.2, 1.0))
         proxy.clear()
         faults.end(f)
@@ -190,7 +190,7 @@ def one_round(fleet: Fleet, h: FleetHosts, proxy: BucketProxy, rng: random.Rando
         f = faults.begin(kind, owner)
         {"kill": fleet.kill, "stop": fleet.pause, "cut": h.cut,
          "cut_bucket": h.cut_bucket}[kind](owner)
-        new = fleet.owner(store, 60, not_=owner)
+        new = fleet.owner(store, 120, not_=owner)
         moved = [store]
         time.sleep(rng.uniform(0.2, 1.5))  # publishes through the new owner, the old one out
         {"kill": fleet.start, "stop": fleet.resume, "cut": h.heal,
@@ -209,7 +209,7 @@ def one_round(fleet: Fleet, h: FleetHosts, proxy: BucketProxy, rng: random.Rando
         f = faults.begin(kind, owner)
         h.cut(owner)
         for s in moved:
-            fleet.owner(s, 60, not_=owner)
+            fleet.owner(s, 120, not_=owner)
         time.sleep(rng.uniform(0.5, 2.0))
         h.heal(owner)
         faults.end(f)
@@ -223,7 +223,7 @@ def one_round(fleet: Fleet, h: FleetHosts, proxy: BucketProxy, rng: random.Rando
         fleet.kill(owner)
         fleet.members[owner].env.update(wall_env(offset))
         for s in moved:
-            fleet.owner(s, 60, not_=owner)
+            fleet.owner(s, 120, not_=owner)
         fleet.start(owner)
         faults.end(f)
         new = ",".join(fleet.owner(s, 60) for s in moved) or "-"
@@ -352,7 +352,7 @@ def test_the_checker_fails_against_a_broken_build(
             fleet.kill(owner)
         else:
             h.cut_bucket(owner)
-        new = fleet.owner(store, 60, not_=owner)
+        new = fleet.owner(store, 120, not_=owner)
         if fault == "stop":
             # The new owner checkpoints (and a broken GC deletes) meanwhile.
             time.sleep(6.0 if broken == "gc_log" else 1.5)

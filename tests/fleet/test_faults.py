@@ -292,8 +292,8 @@ def test_fault_rounds(hosts_moto: tuple[FleetHosts, Moto, BucketProxy], tmp_path
               f"{len(history.acked(DEFAULT[0]))}, acknowledged at most "
               f"{max(margins, default=0):.2f} s before their fault")
         assert acked, fleet.logs()
-        assert sum(churn.deleted.values()) > 0, "GC deleted nothing: the rounds test less"
         assert bad == [], "\n".join(bad[:20]) + fleet.logs()
+        assert sum(churn.deleted.values()) > 0, "GC deleted nothing: the rounds test less"
     finally:
         fleet.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 from bucketutil import Publisher, content, key_of, survivors
 from serverutil import Server, cli
 from strata.engine.checkpoint import Checkpoint
-from strata.engine.errors import StrataError
+from strata.engine.errors import StoreFailed, StrataError
 from strata.engine.local import LocalStore, init_store
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
@@ -219,3 +220,50 @@ def test_the_cli_inits_restores_and_reports(tmp_path: Path) -> None:
     assert p.returncode == 0 and b"restored" in p.stdout, p.stderr
     p = cli("cat", "v", "hello", store=b)
     assert (p.returncode, p.stdout) == (0, b"hi there"), p.stderr
+
+
+def test_publishes_waiting_on_a_failed_sync_fail_too_and_the_store_closes(
+        tmp_path: Path) -> None:
+    """A sync that fails with the store's failure wakes the publishes waiting on it.
+
+    A fenced tier makes the sync leader's datasync raise `StoreFailed` (its
+    `_check`, or here the acknowledgement gate, which the tier asks in the
+    same place). The publishes waiting for that sync were never woken: a
+    server's drain then waited for them forever, and a fleet member kept
+    the given-up store's threads (its indexer retrying every 50 ms) for the
+    rest of its life, which is what stalled the 100-round fault run.
+    """
+    store = tmp_path / "host-a"
+    init_store(str(store), bucket=f"file://{tmp_path}/bucket", sync="local")
+    s = LocalStore(str(store))
+    s.create_volume("v")
+    first = threading.Event()
+
+    def gate() -> None:
+        # The first sync takes a moment (the others queue behind it), then meets the
+        # failure, as a datasync does once a successor's claim fenced the tier.
+        if not first.is_set():
+            first.set()
+            time.sleep(0.5)
+        raise StoreFailed("the bucket tier stopped: taken over (test)")
+
+    s.set_ack_gate(gate)
+    failed: list[StrataError] = []
+
+    def publish(i: int) -> None:
+        try:
+            t = Transaction(s, "v")
+            t.write(f"f{i}", b"x" * 1000)
+            t.commit()
+        except StrataError as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=publish, args=(i,), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60  # a bound on a hang, not a timing
+    for t in threads:
+        t.join(max(0.1, deadline - time.monotonic()))
+    assert [t for t in threads if t.is_alive()] == [], "publishes still wait on a failed sync"
+    assert len(failed) == 8
+    s.close()

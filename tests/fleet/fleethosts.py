@@ -13,12 +13,23 @@ member, all through it. That makes each kind of cut one rule there:
 
 Addresses are 10.<N>.<10+i>.0/24 with N from the pid, so two runs at once
 (and the split-brain test's 10.213) do not collide.
+
+`BucketProxy` runs tests/fleet/bucketproxy.py in the bucket's namespace, in
+front of moto: the members' way to the bucket, which the test can make
+answer 500, answer slowly, or lose the answers to conditional PUTs.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
 
 
 def _run(*args: str) -> None:
@@ -79,6 +90,9 @@ class FleetHosts:
     def exec_prefix(self, host: str) -> tuple[str, ...]:
         return ("ip", "netns", "exec", self.ns[host])
 
+    def exec_prefix_bucket(self) -> tuple[str, ...]:
+        return ("ip", "netns", "exec", self.bucket_ns)
+
     def _ipt(self, *args: str) -> None:
         _run("ip", "netns", "exec", self.bucket_ns, "iptables", *args)
 
@@ -111,3 +125,51 @@ class FleetHosts:
         for ns in self._made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made.clear()
+
+
+class BucketProxy:
+    """The faulty bucket (tests/fleet/bucketproxy.py) in the bucket's namespace."""
+
+    def __init__(self, hosts: FleetHosts, upstream_port: int, log: Path) -> None:
+        self.hosts = hosts
+        self.port = upstream_port + 1 if upstream_port < 65000 else upstream_port - 1
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def endpoint(self, host: str) -> str:
+        """The address `host` reaches the bucket at, through the proxy."""
+        return f"http://{self.hosts.bucket_address[host]}:{self.port}"
+
+    def start(self, upstream_port: int) -> BucketProxy:
+        script = Path(__file__).with_name("bucketproxy.py")
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [*self.hosts.exec_prefix_bucket(), sys.executable, str(script), "0.0.0.0",
+                 str(self.port), "127.0.0.1", str(upstream_port)], stdout=out, stderr=out)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection((self.hosts.bucket_address["test"], self.port),
+                                         timeout=0.2).close()
+                return self
+            except OSError:
+                assert time.monotonic() < deadline and self.proc.poll() is None, \
+                    self.log.read_text()
+                time.sleep(0.05)
+
+    def set(self, **faults: Any) -> dict[str, int]:
+        """Set faults (bucketproxy.py names them); answers what was done so far."""
+        req = urllib.request.Request(self.endpoint("test") + "/__fault__",
+                                     data=json.dumps(faults).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - the test's
+            done: dict[str, int] = json.loads(resp.read())
+            return done
+
+    def clear(self) -> dict[str, int]:
+        return self.set(fail_status=None, fail_every=1, delay=0.0, lose_answers=0)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(15)
+            self.proc = None

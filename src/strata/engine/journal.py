@@ -321,8 +321,11 @@ class Journal:
                 finally:
                     self._cond.acquire()
                     self._syncing = False
-                if later is not None:
+                    # Whatever ended this sync, those waiting on it lead the next one
+                    # (or meet the same failure): a StoreFailed from a fenced tier's
+                    # datasync left them waiting forever, and a server's drain with them.
                     self._cond.notify_all()
+                if later is not None:
                     raise later
                 self.stats["fsyncs"] += 1
                 if err is not None:

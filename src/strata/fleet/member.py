@@ -88,6 +88,18 @@ OWNER_TIMEOUT = 120.0     # the owner's own server, in this process: only a stuc
 TOKEN_CONNECTIONS, TOKEN_STREAMS = 40, 16
 
 
+def _stopped(store: LocalStore) -> str | None:
+    """Why an owned store can acknowledge nothing more: fenced, or its tier stopped.
+
+    A tier stopped for another reason kept its lease renewed by a store that
+    refused every publish: nobody else could claim it (seen in the fault rounds).
+    """
+    why = store.fenced()
+    if why is None:
+        why = (store.tier_report() or {}).get("failed")
+    return str(why) if why else None
+
+
 @dataclass
 class Owned:
     store: str
@@ -249,7 +261,7 @@ class Member:
                 for store, lease in zip(list(self.catalog), leases, strict=True):
                     self._observe_lease(store, lease)
                 for owned in list(self.owned.values()):
-                    why = owned.local.fenced() if owned.local is not None else None
+                    why = _stopped(owned.local) if owned.local is not None else None
                     if why is not None:
                         self._abandon(owned, why)
                 self._decide()

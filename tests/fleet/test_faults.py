@@ -298,6 +298,7 @@ def test_fault_rounds(hosts_moto: tuple[FleetHosts, Moto, BucketProxy], tmp_path
         fleet.close()
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(("store", "fault", "broken"), [
     ("s1", "stop", ""), ("s1", "stop", "fence,lease"),  # --sync bucket: both guards must go
     # The default sync, its owner cut from the bucket but not from clients: the
@@ -363,7 +364,12 @@ def test_the_checker_fails_against_a_broken_build(
         only_old = FleetStore([old_addr], store, retry_for=5.0, timeout=60.0)
         only_new = FleetStore([fleet.members[new].addr], store, retry_for=5.0, timeout=5.0)
         stale = History()
+        # Bounded: a broken old owner may take a minute an answer on a loaded machine;
+        # one acknowledgement on its old epoch is all the checker needs.
+        enough = time.monotonic() + 150.0
         for i in range(20 if fault != "kill" else 0):
+            if time.monotonic() > enough and any(o.ok for o in stale.ops):
+                break
             remote = only_old if i % 2 else only_new
             op = Op("stale", store, f"stale-{i:03d}", time.monotonic())
             try:

@@ -67,12 +67,13 @@ day: deps
 # forks, SIGKILLed runners and servers), the store state machine with more examples,
 # schemathesis with 1000 examples per API operation and mode (20,000 publish bodies), and
 # 60 s of gzip, slow and oversized traffic beside legitimate clients (each call under 1 s,
-# the server under 512 MiB over idle).
+# the server under 512 MiB over idle), every broken fleet build, and 100 fleet fault rounds.
 fuzz: deps
 	STRATA_HISTORY_STEPS=600 $(BIN)/pytest -q -s tests/run/test_history.py
 	STRATA_STATEFUL_EXAMPLES=1000 $(BIN)/pytest -q tests/test_stateful.py
 	STRATA_FUZZ_EXAMPLES=1000 STRATA_FUZZ_STATEFUL=1000 $(BIN)/pytest -q tests/server/test_fuzz_api.py
 	STRATA_FUZZ_TRAFFIC=60 $(BIN)/pytest -q -s tests/server/test_fuzz_traffic.py
+	FLEET_BROKEN_FENCE=1 $(BIN)/pytest -q -s tests/fleet/test_faults.py -k broken
 	FLEET_ROUNDS=100 $(BIN)/pytest -q -s tests/fleet/test_faults.py -k rounds -p no:timeout
 
 clean:

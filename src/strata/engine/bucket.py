@@ -513,7 +513,11 @@ class OwnerLog:
         seq = self.next
         if "fence" in BROKEN:  # the broken build: write around a successor's claim
             while not self._write(seq, {**fields, "kind": kind, "epoch": self.epoch}):
-                seq += 1
+                # Past the newest record at once: one at a time, a busy successor's
+                # log outran the broken owner, which then never acknowledged at all.
+                taken = [int(n[len("log/"):]) for n in self.bucket.names("log/")
+                         if n[len("log/"):].isdigit()]
+                seq = max([seq, *taken]) + 1
             self.next = seq + 1
             return seq
         if not self._write(seq, {**fields, "kind": kind, "epoch": self.epoch}):

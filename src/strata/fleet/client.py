@@ -91,19 +91,14 @@ class FleetStore(RemoteStore):
     def request(self, method: str, path: str, body: bytes | None = None,
                 ctype: str = "application/json", headers: dict[str, str] | None = None,
                 ) -> tuple[int, dict[str, str], bytes]:
-        hdrs = {"Content-Type": ctype, **(headers or {})}
-        if self.store is not None:
-            hdrs["X-Strata-Store"] = self.store
-        else:
+        volume = None
+        if self.store is None:
             parts = path.split("?", 1)[0].split("/")
             if len(parts) >= 4 and parts[1] == "v1" and parts[2] == "volumes":
-                self.volume = parts[3]
-            elif self.volume is not None:
-                hdrs["X-Strata-Volume"] = self.volume
-        if self.fleet_token:
-            hdrs["X-Strata-Fleet-Token"] = self.fleet_token
-        if self.token:
-            hdrs["Authorization"] = f"Bearer {self.token}"
+                self.volume = parts[3]  # named in the path: the member places it
+            else:
+                volume = self.volume
+        hdrs = self._headers({"Content-Type": ctype, **(headers or {})}, volume)
         deadline = time.monotonic() + self.retry_for
         delay = 0.02
         last = ""
@@ -135,6 +130,21 @@ class FleetStore(RemoteStore):
             if status >= 400:
                 raise_http_error(status, data)
             return status, rheaders, data
+
+    def _headers(self, hdrs: dict[str, str], volume: str | None) -> dict[str, str]:
+        """`hdrs` plus where the request goes and the caller's credentials.
+
+        Where: the pinned store, else `volume` for the catalog to place.
+        """
+        if self.store is not None:
+            hdrs["X-Strata-Store"] = self.store
+        elif volume is not None:
+            hdrs["X-Strata-Volume"] = volume
+        if self.fleet_token:
+            hdrs["X-Strata-Fleet-Token"] = self.fleet_token
+        if self.token:
+            hdrs["Authorization"] = f"Bearer {self.token}"
+        return hdrs
 
     def _what(self) -> str:
         if self.store is not None:
@@ -185,17 +195,8 @@ class FleetStore(RemoteStore):
         list takes it from there.
         """
         path = events_path(refs, since, heads)
-        hdrs = {"Accept": "text/event-stream"}
-        if self.store is not None:
-            hdrs["X-Strata-Store"] = self.store
-        elif refs:
-            hdrs["X-Strata-Volume"] = check_volume(refs[0].partition("@")[0])
-        elif self.volume is not None:
-            hdrs["X-Strata-Volume"] = self.volume
-        if self.fleet_token:
-            hdrs["X-Strata-Fleet-Token"] = self.fleet_token
-        if self.token:
-            hdrs["Authorization"] = f"Bearer {self.token}"
+        volume = check_volume(refs[0].partition("@")[0]) if refs else self.volume
+        hdrs = self._headers({"Accept": "text/event-stream"}, volume)
         deadline = time.monotonic() + self.retry_for
         delay = 0.02
         while True:

@@ -30,7 +30,7 @@ from typing import Any
 
 from strata.engine.errors import AlreadyExists, Corrupt, InvalidInput, NotFound
 from strata.engine.names import check_volume
-from strata.fleet.records import FleetRecords, _decode, _encode, check_name
+from strata.fleet.records import FleetRecords, _decode, _encode, check_name, put_marked
 
 FORMAT = 1                  # the placement record's own format, inside the fleet frame
 MAX_ENTRY = 4096            # bytes: a record is ~150; anything larger is not ours
@@ -129,13 +129,8 @@ class VolumeCatalog:
     def set_state(self, p: Placement, state: str) -> Placement:
         """Replace the record `p` was read as (If-Match); `AlreadyExists` if it changed."""
         new = Placement(p.volume, p.store, state)
-        try:
-            new.etag = self.bucket.put_tagged(PREFIX + p.volume, _encode(new.body()), p.etag)
-        except AlreadyExists:
-            now = self.get(p.volume)
-            if now is None or now.nonce != new.nonce:
-                raise
-            new.etag = now.etag
+        new.etag = put_marked(self.bucket, PREFIX + p.volume, _encode(new.body()), p.etag,
+                              new.nonce, lambda: self.get(p.volume))
         return new
 
     def names(self) -> list[str]:

@@ -167,16 +167,29 @@ class FleetRecords:
         the way back is sent again by obstore; if that retry meets our own
         write, the record holds our nonce and counts as written.
         """
-        name = f"fleet/leases/{lease.store}"
         lease.nonce = os.urandom(8)
-        try:
-            lease.etag = self.bucket.put_tagged(name, _encode(lease.body()), prior)
-        except AlreadyExists:
-            now = self.lease(lease.store)
-            if now is None or now.nonce != lease.nonce:
-                raise
-            lease.etag = now.etag
+        lease.etag = put_marked(self.bucket, f"fleet/leases/{lease.store}",
+                                _encode(lease.body()), prior, lease.nonce,
+                                lambda: self.lease(lease.store))
         return lease
+
+
+def put_marked(bucket: Any, name: str, data: bytes, prior: str | None, nonce: bytes,
+               reread: Any) -> str:
+    """Write `data` over version `prior` (None: create); returns the new etag.
+
+    `AlreadyExists` if the object changed since `prior`. An answer lost on the
+    way back is sent again by obstore; if that retry meets our own write,
+    `reread()` (the record as it is now, or None) holds our `nonce` and the
+    write counts as done.
+    """
+    try:
+        return str(bucket.put_tagged(name, data, prior))
+    except AlreadyExists:
+        now = reread()
+        if now is None or now.nonce != nonce:
+            raise
+        return str(now.etag)
 
 
 def rendezvous(store: str, members: list[str]) -> list[str]:

@@ -183,7 +183,7 @@ def test_an_altered_pack_is_refused_on_a_cold_read(bucket_url: str, tmp_path: Pa
         assert s._tier is not None
         e = Transaction(s, "v").lookup("f0")
         assert e is not None and e.ref is not None
-        block = FileNode.decode(s.get_object(e.ref)).blocks[0]
+        block = FileNode.decode(s.get_object(e.ref)).all_block_ids(s.get_object)[0]
         loc = s._indexer.locate(block)
         assert loc is not None and loc.pack in s._tier.remote and loc.pack not in s._tier._local
         name = s._tier.remote[loc.pack][0]
@@ -220,7 +220,7 @@ def test_objects_of_packs_rebuilt_from_the_log_are_checked_against_their_ids(
         assert s._tier is not None
         e = Transaction(s, "v").lookup("f")
         assert e is not None and e.ref is not None
-        block = FileNode.decode(s.get_object(e.ref)).blocks[0]
+        block = FileNode.decode(s.get_object(e.ref)).all_block_ids(s.get_object)[0]
         number, offset, length, _kind = s._indexer.locate(block)  # type: ignore[misc]
         assert number not in s._tier.remote and s._tier.verify_reads(number)
     path = tmp_path / "b" / "packs" / packfmt.pack_name(number)

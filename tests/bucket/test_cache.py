@@ -128,7 +128,7 @@ def test_bytes_from_the_bucket_are_checked_against_their_ids(tmp_path: Path) -> 
         want = _fill(s, 6, 300_000)
         e = Transaction(s, "v").lookup("f001")
         assert e is not None and e.ref is not None
-        block = FileNode.decode(s.get_object(e.ref)).blocks[0]
+        block = FileNode.decode(s.get_object(e.ref)).all_block_ids(s.get_object)[0]
         number, offset, length, _kind = s._indexer.locate(block)  # type: ignore[misc]
     secret = read_key_file(str(store / KEY_FILE))
     key = BucketKey(secret)

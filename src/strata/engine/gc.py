@@ -212,10 +212,15 @@ class Pins:
         # Wall clock: the earlier owner's pins may be held until then (0: none).
         self.inherited = _read_until(self._path) if self._path else 0.0
         self._until = self.inherited
+        # Asked before a pin is granted or renewed for that many seconds, outside the
+        # lock: a fleet member records the pin in its lease first (fleet/lease.py).
+        self.cover: Callable[[float], None] | None = None
 
     def pin(self, sid: str, ttl: float, holder: str = "") -> str:
         """Pin `sid`; `holder` is the token id asking ("": the owner)."""
         pid = os.urandom(16).hex()
+        if self.cover is not None:
+            self.cover(_ttl(ttl))
         with self._lock:
             if self._full_locked(holder):
                 self.live_locked()
@@ -249,6 +254,8 @@ class Pins:
             self._held.pop(holder, None)
 
     def renew(self, pid: str, ttl: float) -> None:
+        if self.cover is not None:
+            self.cover(_ttl(ttl))
         with self._lock:
             cur = self._pins.get(pid)
             if cur is None or cur[1] < time.monotonic():
@@ -300,6 +307,15 @@ def inherit_unknown_pins(store_dir: str) -> None:
     never heard of, and they may be renewed against the new owner.
     """
     _write_until(os.path.join(store_dir, PINS_UNTIL), time.time() + 1.5 * PIN_LIFETIME)
+
+
+def inherit_pins(store_dir: str, seconds: float) -> None:
+    """A restored store whose last owner's pins are known to last `seconds` more at most.
+
+    Replaces the blanket wait of `inherit_unknown_pins` (a fleet lease records
+    the span, fleet/lease.py); 0 lets GC delete at once.
+    """
+    _write_until(os.path.join(store_dir, PINS_UNTIL), time.time() + max(0.0, seconds))
 
 
 def _read_until(path: str) -> float:

@@ -23,17 +23,33 @@ and the client retries with the same txid (at the next owner). With
 `--sync bucket` that is belt and braces, since the successor's claim fences
 the owner's next log write anyway; with the default sync it is what keeps a
 cut-off owner from acknowledging publishes the successor will never see.
+
+**Pins.** A snapshot pinned by a mount or a step must outlive its owner: GC
+at the next owner must not delete it. The owner knows its pins; the next one
+does not. So each lease record also says how long the pins its writer
+granted may still be held, `pins` seconds after the record was written (on
+the writer's clock), and the owner grants or renews a pin only once a record
+it wrote covers it (`LeaseKeeper.cover_pins`: a renewal written at once, at
+most about once a minute thanks to `PIN_SLACK`). The next owner, which first
+saw that record at its time `since`, deletes nothing until
+`pins_end(since, pins)`; a record without the field (an older writer) means
+unknown, and the blanket wait of a restore applies (engine/gc.py). A claim
+carries the inherited span in its own records, so a quick third owner still
+waits for the first one's pins. With no pins granted, a new owner collects
+garbage at once.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
 from collections.abc import Callable
 
 from strata.engine.errors import AlreadyExists, BucketUnavailable, StrataError, Unavailable
+from strata.engine.gc import PIN_LIFETIME
 from strata.fleet.records import FleetRecords, Lease
 
 log = logging.getLogger(__name__)
@@ -44,6 +60,7 @@ DRIFT = 0.05             # bound on any host clock's rate error (see the docstri
 ACK_MARGIN = 0.1         # seconds kept between the last acknowledgement and expiry
 MEMBER_TTL = 3.0         # a member whose heartbeat did not change this long is gone
 HEARTBEAT_EVERY = 0.5
+PIN_SLACK = PIN_LIFETIME / 2  # a pin's record covers this much more: one write a minute
 
 # A test-only way to build a broken strata (tests/fleet): "lease" makes an owner
 # acknowledge after its lease could have expired and ignore losing it.
@@ -68,6 +85,15 @@ def expiry_wait(ttl: float) -> float:
     return ttl * (1 + DRIFT)
 
 
+def pins_end(since: float, pins: float) -> float:
+    """When, on a reader's clock, pins a record covers are over, the record first seen at `since`.
+
+    The record was written before `since`; its writer's span may run slow by
+    DRIFT, and the reader's clock fast by DRIFT.
+    """
+    return since + pins * (1 + DRIFT) / (1 - DRIFT)
+
+
 class LeaseKeeper:
     """The owner's side: renew one store's lease, and gate acknowledgements on it.
 
@@ -79,10 +105,14 @@ class LeaseKeeper:
     """
 
     def __init__(self, records: FleetRecords, lease: Lease, *, acquired_at: float,
-                 on_lost: Callable[[str], None]) -> None:
+                 on_lost: Callable[[str], None], pins_until: float = 0.0) -> None:
         self.records = records
         self.lease = lease
         self.deadline = acquired_at + ack_window(lease.ttl)
+        # Pins (granted here, or inherited) may be held until `pins_until` (this clock);
+        # the last record written says so up to `pins_covered`.
+        self.pins_until = pins_until
+        self.pins_covered = acquired_at + lease.pins if lease.pins is not None else 0.0
         self.lost: str | None = None
         self.renewals = 0
         self.last_renewed = clock()
@@ -117,6 +147,30 @@ class LeaseKeeper:
     def age(self) -> float:
         return clock() - self.last_renewed
 
+    def cover_pins(self, ttl: float) -> None:
+        """Before a pin lasting `ttl` seconds is granted or renewed: a record must say so.
+
+        Writes a renewal at once when the last one does not cover it, asking for
+        `PIN_SLACK` more; `Unavailable` if that write fails (the client retries).
+        """
+        need = clock() + ttl
+        if need <= self.pins_covered:
+            return
+        with self._lock:
+            self.pins_until = max(self.pins_until, need + PIN_SLACK)
+        self.renew()
+        if self.pins_covered < need:
+            raise Unavailable(f"store {self.lease.store}: the pin could not be recorded "
+                              "in the lease; retry", retry_after=0.5)
+
+    def _span(self, lease: Lease, t0: float) -> None:
+        """Set the record's pin span for a write starting at `t0` (rounded up to a ms)."""
+        lease.pins = math.ceil(max(0.0, self.pins_until - t0) * 1000) / 1000
+
+    def _wrote(self, t0: float) -> None:
+        assert self.lease.pins is not None
+        self.pins_covered = t0 + self.lease.pins
+
     def rewrite(self, change: Callable[[Lease], None]) -> Lease:
         """Write a changed lease (a handoff, a release) as the holder; `AlreadyExists` if lost."""
         with self._lock:
@@ -127,7 +181,9 @@ class LeaseKeeper:
             lease.seq += 1
             prior = self.lease.etag
             t0 = clock()
+            self._span(lease, t0)
             self.lease = self.records.write_lease(lease, prior)
+            self._wrote(t0)
             if lease.state == "serving":
                 self.deadline = t0 + ack_window(lease.ttl)
             else:
@@ -142,6 +198,7 @@ class LeaseKeeper:
             lease = Lease(**{**self.lease.__dict__})
             lease.seq += 1
             t0 = clock()
+            self._span(lease, t0)
             try:
                 self.lease = self.records.write_lease(lease, self.lease.etag)
             except AlreadyExists:
@@ -155,6 +212,7 @@ class LeaseKeeper:
                             max(0.0, self.deadline - clock()))
                 return
             self.deadline = t0 + ack_window(lease.ttl)
+            self._wrote(t0)
             self.renewals += 1
             self.last_renewed = t0
 

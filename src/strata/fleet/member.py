@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import math
 import os
 import shutil
 import time
@@ -44,6 +45,7 @@ import aiohttp
 from aiohttp import web
 
 from strata.engine.errors import AlreadyExists, InvalidInput, StrataError, Unavailable
+from strata.engine.gc import PIN_LIFETIME, inherit_pins
 from strata.engine.local import LocalStore
 from strata.fleet import tokens as fleet_tokens
 from strata.fleet import ui as fleet_ui
@@ -64,6 +66,7 @@ from strata.fleet.lease import (
     LeaseKeeper,
     clock,
     expiry_wait,
+    pins_end,
 )
 from strata.fleet.quickhop import QuickHops
 from strata.fleet.records import FleetRecords, Lease, rendezvous, store_url
@@ -81,6 +84,8 @@ FORWARD_TIMEOUT = 4.0     # a forward that waits this long for an owner gives up
 # client waited on average 0.1 s past the end of every gap (measured in bench/fleet.py).
 RETRY_AFTER = "0.05"
 CLAIM_TIMEOUT = 30.0      # a claim that has not restored and opened by then gives up
+# What a restore waits when the old owner's pins are unknown (engine/gc.py's blanket).
+UNKNOWN_PINS = 1.5 * PIN_LIFETIME
 OWNER_TIMEOUT = 120.0     # the owner's own server, in this process: only a stuck one waits this
 # Connections to an owned store's token listener (loopback TCP, where the store's server
 # admits at most 64 per peer): API requests and event streams apart, so streams that
@@ -326,16 +331,27 @@ class Member:
 
     def _claim(self, store: str, old: Lease | None, meta: dict[str, Any]) -> None:
         self.claiming.add(store)
-        asyncio.ensure_future(self._claim_task(store, old, meta))
+        # Until when (this clock) the old owner's pins may be held; None: unknown.
+        pins_over: float | None = 0.0  # no owner before: none
+        if old is not None:
+            seen = self.leases.get(store)
+            since = seen.since if seen is not None and seen.version == old.version() \
+                else clock()
+            pins_over = pins_end(since, old.pins) if old.pins is not None else None
+        asyncio.ensure_future(self._claim_task(store, old, meta, pins_over))
 
-    async def _claim_task(self, store: str, old: Lease | None, meta: dict[str, Any]) -> None:
+    async def _claim_task(self, store: str, old: Lease | None, meta: dict[str, Any],
+                          pins_over: float | None) -> None:
         loop = asyncio.get_running_loop()
         t0 = clock()
         try:
             sync = str(meta.get("sync", "local"))
+            # Unknown pins are waited out for a restore's blanket span; either way this
+            # member's records carry the wait on, for a quick next owner.
+            pins_until = pins_over if pins_over is not None else t0 + UNKNOWN_PINS
             lease = Lease(store=store, holder=self.name, addr=self.addr, state="claiming",
                           epoch=None, seq=(old.seq + 1) if old else 0, ttl=self.ttl,
-                          sync=sync)
+                          sync=sync, pins=math.ceil(max(0.0, pins_until - t0) * 1000) / 1000)
             try:
                 t_write = clock()
                 lease = await loop.run_in_executor(
@@ -349,7 +365,8 @@ class Member:
             def lost(why: str) -> None:
                 loop.call_soon_threadsafe(self._abandon, owned, why)
 
-            owned.keeper = LeaseKeeper(self.records, lease, acquired_at=t_write, on_lost=lost)
+            owned.keeper = LeaseKeeper(self.records, lease, acquired_at=t_write, on_lost=lost,
+                                       pins_until=pins_until)
             owned.keeper.start()
             self.owned[store] = owned
             log.info("store %s: claiming (lease was %s)", store,
@@ -357,7 +374,7 @@ class Member:
             t_restore = clock()
             try:
                 await asyncio.wait_for(loop.run_in_executor(self._pool, self._prepare, path,
-                                                            store, sync), CLAIM_TIMEOUT)
+                                                            store, sync, pins_over), CLAIM_TIMEOUT)
             except TimeoutError:
                 raise Unavailable(f"store {store}: restore took over {CLAIM_TIMEOUT:g} s") \
                     from None
@@ -421,7 +438,7 @@ class Member:
             lease.state, lease.epoch, lease.addr, lease.target = "serving", epoch, self.addr, None
         return change
 
-    def _prepare(self, path: str, store: str, sync: str) -> str:
+    def _prepare(self, path: str, store: str, sync: str, pins_over: float | None) -> str:
         from strata.engine.tier import prepare  # obstore: only with a bucket
         if os.path.exists(path):
             # An older copy from when this member owned the store: its epoch is over,
@@ -432,6 +449,8 @@ class Member:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         made = prepare(path, store_url(self.url, store), takeover=True, key=self.key,
                        sync=sync)
+        if pins_over is not None:  # known: wait out the old owner's pins, not a blanket span
+            inherit_pins(path, pins_over - clock())
         # Before the store serves: its scoped tokens, as its last owner saved them.
         fleet_tokens.restore(self.records.bucket, self.key, store, path)
         return made
@@ -442,6 +461,7 @@ class Member:
         def opened(store: LocalStore) -> None:
             owned.local = store
             store.set_ack_gate(owned.keeper.gate)
+            store.pins.cover = owned.keeper.cover_pins
 
         def serving(result: ServeResult) -> None:
             # The store's token listener: loopback TCP on a port of the kernel's choosing.

@@ -62,6 +62,9 @@ class Lease:
     ttl: float = 2.0
     sync: str = "local"
     target: str | None = None   # the member a handoff goes to
+    # Seconds after this record was written that pins its holder granted may still
+    # be held, on the holder's clock (lease.py); None: unknown (an older writer).
+    pins: float | None = None
     nonce: bytes = field(default_factory=lambda: os.urandom(8))
     etag: str | None = None
 
@@ -69,6 +72,7 @@ class Lease:
         return {"store": self.store, "holder": self.holder, "addr": self.addr,
                 "state": self.state, "epoch": self.epoch, "seq": self.seq, "ttl": self.ttl,
                 "sync": self.sync, "target": self.target, "nonce": self.nonce,
+                "pins": self.pins,
                 "wall": time.time()}  # shown by status only, never compared
 
     def version(self) -> tuple[Any, ...]:
@@ -84,6 +88,13 @@ def _decode(name: str, data: bytes) -> dict[str, Any]:
     return open_record(name, data, MAGIC, VERSION, "fleet record")
 
 
+def _span(v: Any) -> float | None:
+    """A lease's pin span as read: a finite number of seconds, at least 0, else unknown."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < float("inf"):
+        return None
+    return float(v)
+
+
 def lease_from(name: str, body: dict[str, Any], etag: str) -> Lease:
     try:
         return Lease(store=str(body["store"]), holder=str(body["holder"]),
@@ -91,7 +102,7 @@ def lease_from(name: str, body: dict[str, Any], etag: str) -> Lease:
                      epoch=body["epoch"] if isinstance(body["epoch"], int) else None,
                      seq=int(body["seq"]), ttl=float(body["ttl"]), sync=str(body["sync"]),
                      target=body.get("target") if isinstance(body.get("target"), str) else None,
-                     nonce=bytes(body["nonce"]), etag=etag)
+                     pins=_span(body.get("pins")), nonce=bytes(body["nonce"]), etag=etag)
     except (KeyError, TypeError, ValueError) as exc:
         raise Corrupt(name, 0, f"lease record lacks a field: {exc}") from None
 

@@ -74,7 +74,7 @@ fuzz: deps
 	STRATA_FUZZ_EXAMPLES=1000 STRATA_FUZZ_STATEFUL=1000 $(BIN)/pytest -q tests/server/test_fuzz_api.py
 	STRATA_FUZZ_TRAFFIC=60 $(BIN)/pytest -q -s tests/server/test_fuzz_traffic.py
 	FLEET_BROKEN_FENCE=1 $(BIN)/pytest -q -s tests/fleet/test_faults.py -k broken
-	FLEET_ROUNDS=100 $(BIN)/pytest -q -s tests/fleet/test_faults.py -k rounds -p no:timeout
+	FLEET_ROUNDS=100 $(BIN)/pytest -q -s tests/fleet/test_faults.py -k rounds --timeout=0
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -14,6 +14,12 @@
   through it again (after 3 s of warm-up: the new owner restored without
   downloading); each interleaved with the same publish straight to the
   current owner's own unix socket, the baseline.
+- a workspace's fsync, moving to the work: on a fresh two-member fleet
+  with the same quick policy and a `--sync bucket` store, a workspace
+  attached through the member that does not own the store (`strata --fleet`,
+  that member first); a 4 KiB write + fsync of a file in it, timed until the
+  store moved to that member, then again after 3 s of warm-up. Beside each:
+  the same write + fsync on the local disk (the bench directory), in turn.
 
 moto runs on loopback and shares the two cores with the three members.
 """
@@ -235,6 +241,90 @@ def run_move_to_work(work: str, moto: Moto, quick: bool) -> list[dict[str, Any]]
     return rows
 
 
+def _write_fsync(path: Path, n: int) -> float:
+    t = time.perf_counter()
+    fd = os.open(path / f"f{n % 64}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, os.urandom(4096))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t
+
+
+def _cli(env: dict[str, str], *args: str) -> None:
+    import subprocess
+
+    from bench.cli_env import STRATA
+    p = subprocess.run([*STRATA, *args], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **env})
+    if p.returncode != 0:
+        raise RuntimeError(f"strata {' '.join(args)}: {p.stderr}")
+
+
+def bench_ws_move(fleet: Fleet, work: Path, n: int) -> dict[str, list[float]]:
+    """A workspace's 4 KiB write + fsync via the non-owner, before and after the move."""
+    owner = fleet.owner("w", 60)
+    here = next(name for name in fleet.members if name != owner)
+    env = {"STRATA_FLEET": f"{fleet.members[here].addr},{fleet.members[owner].addr}",
+           "STRATA_FLEET_STORE": "w", "STRATA_WORKSPACE_STATE": str(work / "ws-state")}
+    _cli(env, "workspace", "create", "ws", "--size", "1G")
+    mnt, disk = work / "ws", work / "disk"
+    mnt.mkdir()
+    disk.mkdir()
+    _cli(env, "workspace", "attach", "ws", str(mnt))
+    times: dict[str, list[float]] = {"before": [], "before_disk": [], "after": [],
+                                     "after_disk": []}
+    try:
+        i, deadline = 0, time.monotonic() + 180
+        while True:
+            if i % 5 == 0:
+                lease = fleet.records.lease("w")
+                if lease is not None and lease.holder == here:
+                    break
+            took = _write_fsync(mnt, i)
+            if len(times["before"]) < n:
+                times["before"].append(took)
+                times["before_disk"].append(_write_fsync(disk, i))
+            i += 1
+            if time.monotonic() > deadline:
+                raise RuntimeError("the store did not move to the workspace's member"
+                                   + fleet.logs())
+        fleet.owner("w", 60)
+        warm = time.monotonic() + 3.0
+        while time.monotonic() < warm:
+            _write_fsync(mnt, i)
+            i += 1
+        for _ in range(n):
+            times["after"].append(_write_fsync(mnt, i))
+            times["after_disk"].append(_write_fsync(disk, i))
+            i += 1
+    finally:
+        _cli(env, "workspace", "detach", str(mnt))
+    return times
+
+
+def run_ws_move(work: str, moto: Moto, quick: bool) -> list[dict[str, Any]]:
+    os.makedirs(Path(work) / "wsm", exist_ok=True)
+    fleet = Fleet(f"s3://{BUCKET}/fleet-ws", Path(work) / "wsm", {**moto.env(), **MOVE_ENV})
+    rows: list[dict[str, Any]] = []
+    try:
+        fleet.records.add_store("w", "bucket")
+        for name in ("f", "g"):
+            fleet.add(name)
+        t = bench_ws_move(fleet, Path(work) / "wsm", 50 if quick else 200)
+        for phase, what in (("before", "on a member not owning its store, before the move"),
+                            ("after", "on the same member, after the store moved to it")):
+            for q in (0.5, 0.99):
+                v, base = _pct(t[phase], q), _pct(t[f"{phase}_disk"], q)
+                rows.append(row(f"fleet: workspace 4 KiB write + fsync {what} "
+                                f"p{int(q * 100)} ({len(t[phase])})", v * 1e3, "ms",
+                                base * 1e3, "local disk", "", met=None))
+    finally:
+        fleet.close()
+    return rows
+
+
 def run_move(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
     """Only the move to the work (`python -m bench --only fleet-move`)."""
     work = os.path.join(root, "strata-bench-fleet")
@@ -244,7 +334,7 @@ def run_move(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
     os.environ.update(moto.env())
     os.environ.setdefault("STRATA_FLEET_TOKEN", secrets.token_hex(16))
     try:
-        return run_move_to_work(work, moto, quick)
+        return run_move_to_work(work, moto, quick) + run_ws_move(work, moto, quick)
     finally:
         moto.stop()
 
@@ -261,6 +351,7 @@ def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     try:
         rows += run_move_to_work(work, moto, quick)
+        rows += run_ws_move(work, moto, quick)
         fleet.records.add_store("s", "bucket")
         for name in ("a", "b", "c"):
             fleet.add(name)

@@ -184,10 +184,13 @@ def _copy_tree(source: str, target: str, progress: Callable[..., None] | None) -
 def cmd_attach(args: argparse.Namespace) -> int:
     from strata.workspace.attach import attach
     ref = parse_ref(args.name)
+    from strata.fleet.client import FleetStore
     with open_remote(args) as store:
         sid = ref.resolve(store) if ref.snapshot else ""
+        members, named = ((",".join(store.members), store.store or "")
+                          if isinstance(store, FleetStore) else ("", ""))
         att = attach(store.url, store.token, ref.volume, ref.branch or "live", args.dir,
-                     snapshot=sid)
+                     snapshot=sid, fleet=members, fleet_store=named)
     what = f"{ref.volume}#{sid[:12]} (read-only)" if sid else f"{ref.volume}@{att.branch}"
     print(f"attached {what} at {att.dir}")
     return 0

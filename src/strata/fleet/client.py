@@ -50,7 +50,8 @@ class FleetStore(RemoteStore):
 
     def __init__(self, members: Sequence[str], store: str | None = None, *,
                  token: str | None = None, bearer: str | None = None,
-                 retry_for: float = 60.0, timeout: float = 10.0) -> None:
+                 retry_for: float = 60.0, timeout: float = 10.0,
+                 prefetch: bool = True) -> None:
         if not members:
             raise InvalidInput("a fleet client needs at least one member address")
         self.members = [m.rstrip("/") for m in members]
@@ -58,7 +59,7 @@ class FleetStore(RemoteStore):
             if parse_server(m)[0] != "tcp":
                 raise InvalidInput(f"a fleet member is http://HOST:PORT, not {m!r}")
         super().__init__(self.members[0], bearer, retry_for=retry_for, timeout=timeout,
-                         prefetch=True)
+                         prefetch=prefetch)
         self.store = store
         self.volume: str | None = None  # the volume requests without one in the path go to
         # With a bearer token (scoped to a volume of a store) and no fleet secret, the

@@ -52,18 +52,23 @@ def _ask(att: Attached, request: dict[str, Any], timeout: float = 600.0) -> dict
 
 
 def attach(server: str, token: str | None, volume: str, branch: str, directory: str, *,
-           snapshot: str = "", owner: int = 0) -> Attached:
+           snapshot: str = "", owner: int = 0, fleet: str = "",
+           fleet_store: str = "") -> Attached:
     """Attach in a detached daemon; return once mounted (or raise its error).
 
     With `snapshot`, that snapshot, read-only (the branch is only a label).
     With `owner`, the daemon detaches by itself once that process is gone.
+    With `fleet` (members, comma-separated), the daemon talks to the first
+    live member, as `strata --fleet` does, and the fleet's secret comes from
+    this process's environment, never from the state file.
     """
     directory = os.path.realpath(directory)
     if not os.path.isdir(directory):
         raise InvalidInput(f"{directory} is not a directory")
     if os.path.ismount(directory):
         raise InvalidInput(f"something is mounted on {directory} already")
-    att = Attached(volume, branch, directory, server, token, snapshot=snapshot, owner=owner)
+    att = Attached(volume, branch, directory, server, token, snapshot=snapshot, owner=owner,
+                   fleet=fleet, fleet_store=fleet_store)
     with contextlib.suppress(NotFound):
         old = Attached.load(directory)
         if old.pid and alive(old.pid):

@@ -276,7 +276,15 @@ def run_daemon(att: Attached, report: int | None) -> int:
                 os.close(report)
                 report = None
 
-    store = RemoteStore(att.server, att.token, prefetch=False)  # its device keeps its own map
+    store: RemoteStore
+    if att.fleet:  # through any live member; the store follows this host's work there
+        from strata.fleet.client import FleetStore
+        fleet = FleetStore(att.fleet.split(","), att.fleet_store or None, bearer=att.token,
+                           prefetch=False)
+        fleet.volume = att.volume  # requests that name no volume go to its store
+        store = fleet
+    else:
+        store = RemoteStore(att.server, att.token, prefetch=False)  # the device keeps its map
     daemon = Daemon(store, att)
     os.makedirs(daemon.devdir, exist_ok=True)
     try:

@@ -40,6 +40,8 @@ class Attached:
     loop: str = ""
     snapshot: str = ""   # set for a read-only attach of one snapshot
     owner: int = 0       # detach once this process is gone (0: stay until detached)
+    fleet: str = ""      # through a fleet: its members, comma-separated (`server` is the first)
+    fleet_store: str = ""  # the store named for it ("": the fleet's catalog places the volume)
 
     @property
     def state_dir(self) -> str:

@@ -33,6 +33,7 @@ policy, and a GC pass with a short `min_age` every three seconds).
 from __future__ import annotations
 
 import bisect
+import json
 import os
 import random
 import signal
@@ -170,8 +171,29 @@ class Fleet:
                 return lease.holder
             if time.monotonic() > deadline:
                 raise AssertionError(f"no member serves {store} after {timeout} s: {lease}"
-                                     + self.logs())
+                                     + self.views() + self.logs())
             time.sleep(0.05)
+
+    def views(self) -> str:
+        """Each running member's own view (its status), and its threads' stacks in its log."""
+        import urllib.request
+        out = []
+        for m in self.members.values():
+            if m.proc is None or m.stopped:
+                continue
+            req = urllib.request.Request(
+                m.addr + "/fleet/v1/status",
+                headers={"X-Strata-Fleet-Token": os.environ.get("STRATA_FLEET_TOKEN", "")})
+            try:
+                with urllib.request.urlopen(req, timeout=3) as resp:  # noqa: S310
+                    view = json.loads(resp.read())
+                view.pop("traffic", None)
+                out.append(f"\n--- {m.name} status ---\n{json.dumps(view)[:3000]}")
+            except (OSError, ValueError) as exc:
+                out.append(f"\n--- {m.name} status: no answer ({exc}) ---")
+            m.proc.send_signal(signal.SIGUSR1)  # faulthandler: stacks to stderr.log
+        time.sleep(1.0)
+        return "".join(out)
 
     def logs(self) -> str:
         out = []

@@ -115,6 +115,7 @@ def join(url: str, name: str, listen: str, data_dir: str, *, key: bytes | None,
     The one way in: `strata fleet join` and `strata serve --fleet` both come here.
     """
     import asyncio
+    import faulthandler
     import signal
 
     from strata.engine.errors import InvalidInput
@@ -126,6 +127,8 @@ def join(url: str, name: str, listen: str, data_dir: str, *, key: bytes | None,
         raise InvalidInput(f"--listen must be HOST:PORT, not {listen!r}")
     os.makedirs(data_dir, exist_ok=True)
     setup(os.path.join(data_dir, "member.log"))
+    # SIGUSR1 prints every thread's stack to stderr: what a stuck member is doing.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     member = Member(url, name, host, int(port), data_dir, key=key,
                     ttl=ttl or LEASE_TTL, token=_token(), advertise=advertise,
                     move=move_policy())

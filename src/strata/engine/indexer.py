@@ -84,12 +84,16 @@ class Indexer:
             self._thread.join()
 
     def _loop(self, interval: float, also: Callable[[], None]) -> None:
+        said = ""  # the refusal logged last: a store that failed says so once, not 20 times a s
         while not self._stop.wait(interval):
             try:
                 self.flush()
                 also()
+                said = ""
             except StrataError as exc:  # the store refuses (failed, closing): next round
-                log.warning("indexer: %s", exc, exc_info=True)
+                if str(exc) != said:
+                    said = str(exc)
+                    log.warning("indexer: %s", exc, exc_info=True)
                 continue
             except Exception as exc:  # keep serving reads; report through fsck
                 log.error("indexer: writing the index failed: %s", exc, exc_info=True)

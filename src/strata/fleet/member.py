@@ -168,6 +168,7 @@ class Member:
         # fenced store must not starve the next claim (seen in a 100-round run).
         self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="strata-fleet")
         self.claims: list[dict[str, Any]] = []   # for status: how long each claim took
+        self.scanned_at = clock()  # when the last scan of the leases finished
         self.front = VolumeFront(self)           # volumes -> stores (fleet/front.py)
         self.traffic = Traffic(move or MovePolicy())
         self.moving: set[str] = set()            # stores being handed off by the policy
@@ -240,6 +241,10 @@ class Member:
                 await self._heartbeat_once()
             except StrataError as exc:
                 log.warning("heartbeat failed: %s", exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a member that stops beating looks dead
+                log.exception("heartbeat failed")
 
     def live_members(self) -> list[str]:
         now = clock()
@@ -271,10 +276,13 @@ class Member:
                         self._abandon(owned, why)
                 self._decide()
                 self._move_to_work()
+                self.scanned_at = clock()
             except StrataError as exc:
                 log.warning("fleet scan failed: %s", exc)
             except asyncio.CancelledError:
                 raise
+            except Exception:  # noqa: BLE001 - a member that stops scanning never claims
+                log.exception("fleet scan failed")
             await asyncio.sleep(SCAN_EVERY)
 
     def _observe_members(self, members: dict[str, dict[str, Any]]) -> None:
@@ -603,6 +611,8 @@ class Member:
         return {"member": self.name, "addr": self.addr, "leaving": self.leaving,
                 "live": sorted(self.live_members()), "leases": leases,
                 "owned": self._info()["stores"], "claims": self.claims[-20:],
+                "claiming": sorted(self.claiming),
+                "last_scan_age": round(now - self.scanned_at, 3),
                 "traffic": self.traffic.report(), "moves": self.moves[-20:]}
 
     async def _move(self, request: web.Request) -> web.Response:

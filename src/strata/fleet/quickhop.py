@@ -99,7 +99,10 @@ class QuickHops:
         message = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape") \
             + (body or b"")
         for attempt in (0, 1):
-            conn, reused = await self._get(where)
+            try:
+                conn, reused = await self._get(where)
+            except (OSError, TimeoutError) as exc:  # refused, unreachable, no answer
+                raise Unreachable(str(exc) or type(exc).__name__) from exc
             try:
                 conn.writer.write(message)
                 status, answer = await asyncio.wait_for(_head(conn.reader), self.answer_timeout)

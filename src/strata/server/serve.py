@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import http.client
 import logging
 import os
@@ -196,7 +197,7 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
         # Info, not error: the CLI reports the failure itself, on the terminal.
         log.info("store %s not opened (%s); listeners closed", store_dir,
                  str(exc) or type(exc).__name__)
-        lean.close()
+        await loop.run_in_executor(None, lean.close)
         await _close_listeners(runner, listeners)
         raise
     # Read the tokens again: the previous owner may have created or revoked some
@@ -297,9 +298,11 @@ async def run_server(store_dir: str, listens: list[str], *, takeover: bool = Fal
     await done.wait()
     for task in tasks:
         task.cancel()
-    lean.close()
+    # Off the event loop: a fleet member serves many stores on one loop, and a store
+    # given up after a fence may take a long while to let its last requests go.
+    await loop.run_in_executor(None, lean.close)
     await _close_listeners(runner, listeners, unlink="handed off" not in result.notes)
-    state.executor.shutdown(wait=True)
+    await loop.run_in_executor(None, functools.partial(state.executor.shutdown, wait=True))
     log.info("stopped (%s)", "; ".join(result.notes) or "asked to stop")
     return result
 

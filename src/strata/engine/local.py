@@ -943,6 +943,10 @@ class LocalStore(Store):
         failed = self._tier.failed
         return str(failed) if isinstance(failed, Fenced) else None
 
+    def unshipped_for(self) -> float:
+        """Seconds the oldest byte not yet in the bucket has waited (0: none, or no bucket)."""
+        return self._tier.unshipped_for() if self._tier is not None else 0.0
+
     def set_ack_gate(self, gate: Callable[[], None] | None) -> None:
         """Ask `gate` before acknowledging anything durable (bucket stores; the fleet's lease)."""
         if self._tier is not None:

@@ -44,6 +44,14 @@ class Shipping(TierState):
             self._record((number, offset, self.local.pread(number, RESHIP_CHUNK, offset)))
         self._record((number, size, None))  # and nothing past it
 
+    def unshipped_for(self) -> float:
+        """Seconds the oldest byte written and not yet in the bucket has waited (0: none)."""
+        with self._lock:
+            since = [t for t in (self._shipping_since,
+                                 self._pending_since if self._pending else None)
+                     if t is not None]
+        return time.monotonic() - min(since) if since else 0.0
+
     def _sealed(self, number: int) -> bool:
         return packfmt.is_sealed_at(lambda n, o: self.local.pread(number, n, o),
                                     self.local.size(number), packfmt.pack_name(number))
@@ -63,6 +71,7 @@ class Shipping(TierState):
             with self._lock:
                 todo, self._pending, self._pending_bytes = self._pending, [], 0
                 since = self._pending_since if todo else None
+                self._shipping_since = since
             try:
                 while todo:
                     size, cut = 0, 0
@@ -86,8 +95,8 @@ class Shipping(TierState):
                 with self._lock:
                     self._pending[:0] = todo
                     self._pending_bytes += sum(len(c[2] or b"") for c in todo)
-                    if self._pending_since is None:
-                        self._pending_since = since
+                    self._pending_since = since  # the oldest kept: these came first
+                    self._shipping_since = None
                 self.stats["outages"] += 1
                 _log.debug("shipping: %d chunk(s) kept for the next try", len(todo))
                 raise BucketUnavailable(f"the bucket is unavailable: {exc}") from exc
@@ -95,6 +104,9 @@ class Shipping(TierState):
                 _log.error("shipping failed: %s; the bucket tier stops", exc, exc_info=True)
                 self.failed = exc
                 raise StoreFailed(f"the bucket tier stopped: {exc}") from exc
+            finally:
+                with self._lock:
+                    self._shipping_since = None
             self._shipped_at = time.monotonic()
             self.stats["last_ship"] = time.time()
             if since is not None:

@@ -53,6 +53,7 @@ class TierState(PackStore):
         self._pending_bytes = 0
         self._shipped_at = time.monotonic()
         self._pending_since: float | None = None
+        self._shipping_since: float | None = None  # the oldest chunk of the ship under way
         # Packs in the bucket: number -> (object name, size). From the checkpoint a
         # restore started from, then each upload.
         self.remote: dict[int, tuple[str, int]] = dict(checkpoint.packs) if checkpoint else {}

@@ -60,6 +60,8 @@ DRIFT = 0.05             # bound on any host clock's rate error (see the docstri
 ACK_MARGIN = 0.1         # seconds kept between the last acknowledgement and expiry
 MEMBER_TTL = 3.0         # a member whose heartbeat did not change this long is gone
 HEARTBEAT_EVERY = 0.5
+SHIP_LAG_MAX = 1.0      # default sync: no acknowledgement while a byte waited longer to ship
+LAG_WAIT = 0.5          # ... than this, after waiting this long for shipping to catch up
 PIN_SLACK = PIN_LIFETIME / 2  # a pin's record covers this much more: one write a minute
 
 # A test-only way to build a broken strata (tests/fleet): "lease" makes an owner
@@ -92,6 +94,22 @@ def pins_end(since: float, pins: float) -> float:
     DRIFT, and the reader's clock fast by DRIFT.
     """
     return since + pins * (1 + DRIFT) / (1 - DRIFT)
+
+
+def ship_lag_gate(store: str, unshipped_for: Callable[[], float]) -> None:
+    """The default sync's window: acknowledge nothing while a byte waited too long to ship.
+
+    A host that dies loses what it acknowledged and had not shipped. Without
+    this, a bucket that is slow (not down: the lease still renews) lets that
+    grow without bound. Waits up to `LAG_WAIT` for shipping to catch up, then
+    raises `Unavailable` (the client retries with the same txid).
+    """
+    deadline = time.monotonic() + LAG_WAIT
+    while (lag := unshipped_for()) > SHIP_LAG_MAX:
+        if time.monotonic() >= deadline:
+            raise Unavailable(f"store {store}: writes of {lag:.1f} s ago are not in the "
+                              "bucket yet; retry", retry_after=0.2)
+        time.sleep(0.02)
 
 
 class LeaseKeeper:

@@ -67,6 +67,7 @@ from strata.fleet.lease import (
     clock,
     expiry_wait,
     pins_end,
+    ship_lag_gate,
 )
 from strata.fleet.quickhop import QuickHops
 from strata.fleet.records import FleetRecords, Lease, rendezvous, store_url
@@ -468,7 +469,12 @@ class Member:
 
         def opened(store: LocalStore) -> None:
             owned.local = store
-            store.set_ack_gate(owned.keeper.gate)
+
+            def gate() -> None:
+                owned.keeper.gate()
+                if owned.keeper.lease.sync != "bucket":
+                    ship_lag_gate(owned.store, store.unshipped_for)
+            store.set_ack_gate(gate)
             store.pins.cover = owned.keeper.cover_pins
 
         def serving(result: ServeResult) -> None:

@@ -15,9 +15,10 @@ STAMP  := $(VENV)/.stamp
 # (npm comes with this machine's nodejs build; Debian's own npm package conflicts with it).
 # The image tests build real images with umoci, skopeo and busybox-static, and a Debian
 # root with mmdebstrap (from the machine's Debian mirror, cached in .pytest_cache).
+# The fleet fault tests run members with their wall clocks off through faketime.
 APT_PKGS     := fuse3 libfuse3-dev pkg-config bubblewrap git sqlite3 rsync iproute2 \
                 chromium chromium-driver zstd e2fsprogs nodejs iptables \
-                umoci skopeo busybox-static mmdebstrap
+                umoci skopeo busybox-static mmdebstrap faketime
 APT_OPTIONAL := runsc s3fs s3backer rclone
 
 .PHONY: deps apt-deps lint test demo bench bench-scale bench-fleet day fuzz clean

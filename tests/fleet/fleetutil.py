@@ -62,8 +62,7 @@ def wall_env(offset: float) -> dict[str, str]:
     libfaketime (Debian's `faketime`). Its 0.9.10 breaks Python's `time.sleep`
     (EINVAL), so faketime/sitecustomize.py makes that a relative wait.
     """
-    if not os.path.exists(FAKETIME_LIB):
-        return {}
+    assert os.path.exists(FAKETIME_LIB), f"{FAKETIME_LIB} is missing: make deps installs faketime"
     shim = str(Path(__file__).with_name("faketime"))
     return {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": f"{offset:+.0f}s",
             "FAKETIME_DONT_FAKE_MONOTONIC": "1",

@@ -105,8 +105,10 @@ WALL = {"skewed": {"c": 40.0}}
 
 
 def start_fleet(h: FleetHosts, moto: Moto, proxy: BucketProxy, tmp_path: Path, *,
-                broken: str = "", clocks: str = "same") -> Fleet:
-    fleet = Fleet(f"s3://strata-test/{tmp_path.name}", tmp_path, moto.env(), broken=broken)
+                broken: str = "", clocks: str = "same",
+                env: dict[str, str] | None = None) -> Fleet:
+    fleet = Fleet(f"s3://strata-test/{tmp_path.name}", tmp_path, {**moto.env(), **(env or {})},
+                  broken=broken)
     for s in STRICT:
         fleet.records.add_store(s, "bucket")
     for s in DEFAULT:
@@ -336,8 +338,13 @@ def test_the_checker_fails_against_a_broken_build(
     """
     h, moto, proxy = hosts_moto
     beyond = broken == "clock"
+    # A default-sync owner acknowledges nothing while a byte waited over 1 s to ship,
+    # which alone stops an owner cut from the bucket, or one that ships late: loosened
+    # here, so that each case shows the guard it names (the lease, the clocks, the
+    # shipper) and the checker catching its failure.
+    loose = {"STRATA_FLEET_SHIP_LAG": "60"} if broken in ("lease", "clock", "ship") else {}
     fleet = start_fleet(h, moto, proxy, tmp_path, broken="" if beyond else broken,
-                        clocks="beyond" if beyond else "same")
+                        clocks="beyond" if beyond else "same", env=loose)
     faults = Faults()
     try:
         owner = fleet.owner(store)

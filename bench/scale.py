@@ -45,6 +45,7 @@ pass 15 minutes is skipped at the larger size, and its row says so.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -367,11 +368,16 @@ def measure(work: str, label: str, objects: int, *, window: float, publishes: in
             print(f"scale {label}: fsck", file=sys.stderr, flush=True)
             _reset_peak(server.pid)
             t0 = time.perf_counter()
-            report = json.loads(_cli("--store", store, "fsck", "--json"))
-            res.fsck_s = time.perf_counter() - t0
-            res.fsck_rss = _peak_rss(server.pid)
-            if not report.get("ok"):
-                res.notes.append("fsck found damage")
+            try:
+                report = json.loads(_cli("--store", store, "fsck", "--json"))
+            except RuntimeError as exc:  # one step failing must not lose the others' figures
+                print(f"scale {label}: fsck failed: {exc}", file=sys.stderr, flush=True)
+                res.notes.append("fsck failed")
+            else:
+                res.fsck_s = time.perf_counter() - t0
+                res.fsck_rss = _peak_rss(server.pid)
+                if not report.get("ok"):
+                    res.notes.append("fsck found damage")
         else:
             res.notes.append("fsck")
 
@@ -496,6 +502,12 @@ def rows_for(small: Size, big: Size) -> list[dict[str, Any]]:
     return out
 
 
+def _show(size: Size) -> None:
+    """A size's raw figures as soon as it is done: a later failure must not lose them."""
+    print(f"scale {size.label}: {json.dumps(dataclasses.asdict(size), default=str)}",
+          file=sys.stderr, flush=True)
+
+
 def run(root: str, *, quick: bool = False, large: bool = False) -> list[dict[str, Any]]:
     if large:
         sizes = (("1M", 1_000_000), ("10M", 10_000_000))
@@ -512,8 +524,10 @@ def run(root: str, *, quick: bool = False, large: bool = False) -> list[dict[str
     try:
         small = measure(work, sizes[0][0], sizes[0][1], window=window, publishes=publishes,
                         smaller=None)
+        _show(small)
         big = measure(work, sizes[1][0], sizes[1][1], window=window, publishes=publishes,
                       smaller=small)
+        _show(big)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = rows_for(small, big)

@@ -37,11 +37,14 @@ MAX_HEADERS = 100
 PREFETCH_KEEP = 1024  # prefetched tree nodes kept raw until read (oldest dropped first)
 
 
+LONG_ADMIN = frozenset({"fsck", "gc"})  # admin calls that may take minutes on a large store
+
+
 class BadResponse(Exception):
     """The server's answer was not HTTP/1.1 as this client speaks it (or it hung up)."""
 
 
-def _connect(kind: str, where: str, port: int, timeout: float) -> socket.socket:
+def _connect(kind: str, where: str, port: int, timeout: float | None) -> socket.socket:
     if kind != "unix":
         s = socket.create_connection((where, port), timeout)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -65,7 +68,7 @@ class _Conn:
     use `http.client` (imported only there).
     """
 
-    def __init__(self, kind: str, where: str, port: int, timeout: float) -> None:
+    def __init__(self, kind: str, where: str, port: int, timeout: float | None) -> None:
         self.sock = _connect(kind, where, port, timeout)
         self.rfile = self.sock.makefile("rb")
         self.host = "localhost" if kind == "unix" else f"{where}:{port}"
@@ -639,7 +642,19 @@ class RemoteStore(Store):
             conn.close()
 
     def admin(self, method: str, path: str, payload: Any = None) -> Any:
-        return self._json(method, f"/v1/admin/{path}", payload)
+        if path not in LONG_ADMIN:
+            return self._json(method, f"/v1/admin/{path}", payload)
+        # A pass over a large store answers after minutes (fsck of 10M objects ran
+        # past this client's 120 s and failed): a connection of its own, no timeout.
+        saved = getattr(self._local, "conn", None)
+        self._local.conn = _Conn(self.kind, self.where, self.port, None)
+        try:
+            return self._json(method, f"/v1/admin/{path}", payload)
+        finally:
+            conn = getattr(self._local, "conn", None)
+            if conn is not None:
+                conn.close()
+            self._local.conn = saved
 
     def close(self) -> None:
         self._drop_conn()

@@ -19,7 +19,7 @@ import pytest
 from bucketutil import Publisher, content, key_of, survivors
 from serverutil import Server, cli
 from strata.engine.checkpoint import Checkpoint
-from strata.engine.errors import StoreFailed, StrataError
+from strata.engine.errors import StoreFailed, StrataError, Unavailable
 from strata.engine.local import LocalStore, init_store
 from strata.engine.tier import restore
 from strata.engine.txn import Transaction
@@ -267,3 +267,47 @@ def test_publishes_waiting_on_a_failed_sync_fail_too_and_the_store_closes(
     assert [t for t in threads if t.is_alive()] == [], "publishes still wait on a failed sync"
     assert len(failed) == 8
     s.close()
+
+
+@pytest.mark.parametrize("sync", ["local", "bucket"])
+def test_a_refused_acknowledgement_never_tears_a_seal(tmp_path: Path, sync: str) -> None:
+    """The acknowledgement gate (the fleet's lease and ship lag) refuses while packs seal.
+
+    A seal's sync used to ask the gate too: refused, it left the journal's tail
+    before the seal it had written, the next record landed past the seal, and
+    the index pointed at the wrong bytes ("bad frame marker"), which a 100-round
+    fault run found shipped to the bucket. Every publish here is refused,
+    several packs fill and seal meanwhile, and then the gate lets go.
+    """
+    store = tmp_path / "host-a"
+    init_store(str(store), bucket=f"file://{tmp_path}/bucket", sync=sync,
+               pack_size_limit=1 << 20)
+    s = LocalStore(str(store))
+    s.create_volume("v")
+    refusing = threading.Event()
+    refusing.set()
+
+    def gate() -> None:
+        if refusing.is_set():
+            raise Unavailable("not now (test)")
+
+    s.set_ack_gate(gate)
+    for i in range(12):  # 12 x 256 KiB of random bytes: packs of 1 MiB seal while refused
+        t = Transaction(s, "v")
+        t.write(f"f{i}", os.urandom(256 << 10))
+        with pytest.raises(Unavailable):
+            t.commit()
+    refusing.clear()
+    t = Transaction(s, "v")
+    t.write("after", b"after")
+    t.commit()
+    report = s.fsck()
+    assert report["ok"], report
+    assert Transaction(s, "v").read("after") == b"after"
+    s.close()
+    key = key_of(store)
+    shutil.rmtree(store)
+    restore(f"file://{tmp_path}/bucket", str(tmp_path / "again"), key=key)
+    with LocalStore(str(tmp_path / "again")) as r:
+        assert r.fsck()["ok"]
+        assert Transaction(r, "v").read("after") == b"after"

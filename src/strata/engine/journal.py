@@ -228,7 +228,7 @@ class Journal:
         with self._cond:
             while self._syncing:
                 self._cond.wait()
-            writer.datasync()
+            writer.seal_sync()
             self.stats["fsyncs"] += 1
             self._advance_durable((number, end))
         writer.close()

@@ -52,6 +52,14 @@ class PackWriter(ABC):
     def datasync(self) -> None:
         """Return once every byte written so far is durable."""
 
+    def seal_sync(self) -> None:
+        """Make a seal durable: as `datasync`, but it acknowledges nothing.
+
+        So no gate may refuse it: a refused seal sync left the journal's tail
+        before a seal already written, and the next record landed past it.
+        """
+        self.datasync()
+
     @abstractmethod
     def close(self) -> None: ...
 

@@ -159,6 +159,14 @@ class TierWriter(PackWriter):
             raise failed[0]
         self._gate()
 
+    def seal_sync(self) -> None:
+        # Local only, in both modes: the seal's chunk ships with the next sync or pass,
+        # in order. Neither an outage (strict mode) nor the acknowledgement gate may
+        # refuse it: the seal is written already, and the journal moves past it only
+        # once this returns.
+        self.inner.datasync()
+        self.tier._check()
+
     def _gate(self) -> None:
         # Last, once the bytes are durable: a withheld acknowledgement is retried
         # with the same txid, which finds the publish if it landed.

@@ -11,6 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from fleetutil import Fleet  # noqa: E402
+
 from bucketutil import BUCKET, Moto  # noqa: E402
 
 
@@ -36,3 +38,13 @@ def fleet_url(moto: Moto, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> st
     for k, v in moto.env().items():
         monkeypatch.setenv(k, v)
     return f"s3://{BUCKET}/{tmp_path.name}"
+
+
+@pytest.fixture
+def fleet(moto: Moto, fleet_url: str, tmp_path: Path) -> Iterator[Fleet]:
+    """Members added by the test, all stopped after it."""
+    f = Fleet(fleet_url, tmp_path, moto.env())
+    try:
+        yield f
+    finally:
+        f.close()

@@ -7,24 +7,13 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from fleetutil import Fleet, Publishers, check, make_volume
 
 from bucketutil import FaultProxy, Moto
 from strata.server.bodies import MAX_BODY
 from strata_harness import STRATA
-
-
-@pytest.fixture
-def fleet(moto: Moto, fleet_url: str, tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(fleet_url, tmp_path, moto.env())
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def test_any_member_routes_and_a_killed_owner_is_replaced(fleet: Fleet) -> None:

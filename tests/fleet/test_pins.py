@@ -10,29 +10,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fleetutil import Fleet, make_volume
 
-from bucketutil import Moto
 from strata.engine.errors import NotFound, Unavailable
 from strata.engine.objects import FileNode
 from strata.engine.txn import Transaction
 from strata.fleet.client import FleetStore
 from strata.fleet.lease import DRIFT, LeaseKeeper, pins_end
 from strata.fleet.records import Lease, lease_from
-
-
-@pytest.fixture
-def fleet(moto: Moto, fleet_url: str, tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(fleet_url, tmp_path, moto.env())
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def _gc(remote: FleetStore) -> dict[str, Any]:

@@ -11,13 +11,11 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fleetutil import Fleet
 
-from bucketutil import Moto
 from serverutil import free_port
 from strata.engine.bucket import frame_record
 from strata.engine.errors import AlreadyExists, Corrupt, InvalidInput, NotFound, StrataError
@@ -26,15 +24,6 @@ from strata.fleet.client import FleetStore
 from strata.fleet.placement import PREFIX, VolumeCatalog, place, placement_from
 from strata.fleet.records import MAGIC, VERSION
 from strata_harness import STRATA
-
-
-@pytest.fixture
-def fleet(moto: Moto, fleet_url: str, tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(fleet_url, tmp_path, moto.env())
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def strata(*args: str, input: bytes | None = None) -> subprocess.CompletedProcess[bytes]:

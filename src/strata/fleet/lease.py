@@ -98,6 +98,11 @@ def pins_end(since: float, pins: float) -> float:
     return since + pins * (1 + DRIFT) / (1 - DRIFT)
 
 
+def pin_span(until: float, t0: float) -> float:
+    """A record's `pins` for a write starting at `t0`: up to `until`, rounded up to a ms."""
+    return math.ceil(max(0.0, until - t0) * 1000) / 1000
+
+
 def ship_lag_gate(store: str, unshipped_for: Callable[[], float]) -> None:
     """The default sync's window: acknowledge nothing while a byte waited too long to ship.
 
@@ -185,7 +190,7 @@ class LeaseKeeper:
 
     def _span(self, lease: Lease, t0: float) -> None:
         """Set the record's pin span for a write starting at `t0` (rounded up to a ms)."""
-        lease.pins = math.ceil(max(0.0, self.pins_until - t0) * 1000) / 1000
+        lease.pins = pin_span(self.pins_until, t0)
 
     def _wrote(self, t0: float) -> None:
         assert self.lease.pins is not None

@@ -34,7 +34,6 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import math
 import os
 import shutil
 import time
@@ -66,6 +65,7 @@ from strata.fleet.lease import (
     LeaseKeeper,
     clock,
     expiry_wait,
+    pin_span,
     pins_end,
     ship_lag_gate,
 )
@@ -360,7 +360,7 @@ class Member:
             pins_until = pins_over if pins_over is not None else t0 + UNKNOWN_PINS
             lease = Lease(store=store, holder=self.name, addr=self.addr, state="claiming",
                           epoch=None, seq=(old.seq + 1) if old else 0, ttl=self.ttl,
-                          sync=sync, pins=math.ceil(max(0.0, pins_until - t0) * 1000) / 1000)
+                          sync=sync, pins=pin_span(pins_until, t0))
             try:
                 t_write = clock()
                 lease = await loop.run_in_executor(

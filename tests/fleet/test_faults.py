@@ -55,6 +55,7 @@ from fleetutil import (
     check_fences,
     content,
     final_history,
+    gate_tail,
     loss_margins,
     lost,
     make_volume,
@@ -285,6 +286,7 @@ def test_fault_rounds(hosts_moto: tuple[FleetHosts, Moto, BucketProxy], tmp_path
         position, files = final_history(fleet, DEFAULT[0])
         missing = lost(history, DEFAULT[0], position, files)
         margins = loss_margins(missing, faults)
+        tail = gate_tail(missing, history.acked(DEFAULT[0]), faults)
         print(f"clocks {clocks}, seed {seed}: {rounds} rounds {faults.counts()}, "
               f"{len(history.ops)} publishes, {len(acked)} acknowledged, "
               f"epochs {len({o.epoch for o in acked if o.epoch})}; GC passes "
@@ -292,7 +294,9 @@ def test_fault_rounds(hosts_moto: tuple[FleetHosts, Moto, BucketProxy], tmp_path
               f"owner-log records {watch.seen}")
         print(f"default sync: {len(missing)} acknowledged publishes lost of "
               f"{len(history.acked(DEFAULT[0]))}, acknowledged at most "
-              f"{max(margins, default=0):.2f} s before their fault")
+              f"{max(margins, default=0):.2f} s before their fault; {len(tail)} in the "
+              "tail the ship-lag gate allows (at most 2 s before their epoch's last "
+              "acknowledgement)")
         assert acked, fleet.logs()
         assert bad == [], "\n".join(bad[:20]) + fleet.logs()
         assert sum(churn.deleted.values()) > 0, "GC deleted nothing: the rounds test less"

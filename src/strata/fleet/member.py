@@ -94,6 +94,17 @@ OWNER_TIMEOUT = 120.0     # the owner's own server, in this process: only a stuc
 TOKEN_CONNECTIONS, TOKEN_STREAMS = 40, 16
 
 
+def _warm() -> None:
+    """Import what a claim needs before the first claim, not during it.
+
+    A claim restores (the tier, obstore) and opens a server (the server's
+    app and its handlers): imported lazily, the first claim of a member's
+    life paid for them inside its gap, most of a second on a loaded host.
+    """
+    import strata.engine.tier  # noqa: F401
+    import strata.server.serve  # noqa: F401
+
+
 def _stopped(store: LocalStore) -> str | None:
     """Why an owned store can acknowledge nothing more: fenced, or its tier stopped.
 
@@ -181,6 +192,7 @@ class Member:
         os.makedirs(os.path.join(self.dir, "stores"), exist_ok=True)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, self.records.bucket.check_conditional)
+        await loop.run_in_executor(self._pool, _warm)
         self._session = proxy_session(aiohttp.TCPConnector(limit=256))
         app = web.Application(client_max_size=MAX_BODY)  # a larger body: 413, unread
         app.router.add_get("/fleet/v1/status", self._status)

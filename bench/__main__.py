@@ -45,8 +45,9 @@ def main() -> None:
                             "workspace,dedup,image,day",
                     help="comma-separated groups to run (engine, server, bucket, gc, mount, "
                          "steps, sandbox, boot, ui, speed, workspace, dedup, image, day, scale, "
-                         "fleet, fleet-move, links; scale, links and the fleet's are left "
-                         "out of the default; fleet includes fleet-move)")
+                         "fleet, fleet-move, fleet-failover, links; scale, links and the "
+                         "fleet's are left out of the default; fleet includes fleet-move "
+                         "and fleet-failover)")
     args = ap.parse_args()
     groups = set(args.only.split(","))
     rows = []
@@ -62,6 +63,8 @@ def main() -> None:
         rows += ui.run(args.dir, quick=args.quick)
     if "fleet" in groups:
         rows += fleet.run(args.dir, quick=args.quick)
+    elif "fleet-failover" in groups:
+        rows += fleet.run(args.dir, quick=args.quick, to_work=False)
     elif "fleet-move" in groups:
         rows += fleet.run_move(args.dir, quick=args.quick)
     if "links" in groups:

@@ -339,7 +339,8 @@ def run_move(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
         moto.stop()
 
 
-def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
+def run(root: str, *, quick: bool = False, to_work: bool = True) -> list[dict[str, Any]]:
+    """Every fleet figure; without `to_work`, only routing, failover and the planned move."""
     work = os.path.join(root, "strata-bench-fleet")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
@@ -350,8 +351,9 @@ def run(root: str, *, quick: bool = False) -> list[dict[str, Any]]:
     fleet = Fleet(f"s3://{BUCKET}/fleet", Path(work), {**moto.env(), "STRATA_FLEET_MOVE": "0"})
     rows: list[dict[str, Any]] = []
     try:
-        rows += run_move_to_work(work, moto, quick)
-        rows += run_ws_move(work, moto, quick)
+        if to_work:
+            rows += run_move_to_work(work, moto, quick)
+            rows += run_ws_move(work, moto, quick)
         fleet.records.add_store("s", "bucket")
         for name in ("a", "b", "c"):
             fleet.add(name)

@@ -19,7 +19,8 @@ returned and the owner and epoch that answered. `check` is the checker:
    missing from the final history was acknowledged within the stated loss
    window of a fault that hit the member that acknowledged it: no earlier
    than `LOSS_WINDOW` before the fault began, no later than the owner's
-   lease window (`ACK_WINDOW`) after it (or after a bucket-wide fault ended);
+   lease window (`ACK_WINDOW`) after it (or after a bucket-wide fault ended),
+   or within the ship-lag gate's tail of its epoch (`gate_tail`);
 5. (`check_fences`) GC never deleted anything a fence depends on: every
    owner-log record `LogWatch` ever saw is still in the bucket, the log has
    no gap, and a stalled old owner's create-only write of its next record

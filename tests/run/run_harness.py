@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -49,9 +50,13 @@ class StepEnv(StrataEnv):
     def start_step(self, specs: Sequence[str], cmd: Sequence[str], sandbox: str = "none",
                    *extra: str, env: dict[str, str] | None = None
                    ) -> subprocess.Popen[str]:
+        # As a shell's foreground job: a suite started in the background (`make test &`,
+        # nohup) ignores SIGINT, children inherit that, and Ctrl-C tests would send theirs
+        # to a `strata run` that never sees it.
         return subprocess.Popen(self.step_argv(specs, cmd, sandbox, *extra),
                                 env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=_default_sigint)
 
     def step(self, specs: Sequence[str], cmd: Sequence[str], sandbox: str = "none",
              *extra: str, env: dict[str, str] | None = None, timeout: float = 120
@@ -91,6 +96,10 @@ class StepEnv(StrataEnv):
         """Wait until no mount and no scratch is left; fail naming what is."""
         left = wait_for(lambda: self.leftovers() == ([], []), timeout)
         assert left, f"left behind after {timeout:g}s: {self.leftovers()}"
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(p: subprocess.Popen[str], timeout: float = 120) -> StepResult:

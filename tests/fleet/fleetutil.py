@@ -436,6 +436,9 @@ ACK_WINDOW = ack_window(LEASE_TTL) + 0.5
 # client, GATE_SLACK) before the last acknowledgement of its epoch.
 SHIP_LAG = 1.0
 GATE_SLACK = 1.0
+# Faults that hold back answers an owner already gave: SIGSTOP (sent when it resumes)
+# and cut links (TCP retransmits them after the heal).
+HOLDS_ANSWERS = frozenset({"stop", "cut", "cut_member", "cut_clients"})
 
 
 @dataclass
@@ -451,10 +454,22 @@ class Fault:
         return self.target is None or self.target == member
 
     def covers(self, op: Op) -> bool:
-        """Whether losing `op` is within the stated window of this fault."""
+        """Whether losing `op` is within the stated window of this fault.
+
+        The window bounds when the owner acknowledged, which the client sees
+        as its answer arriving (`op.end`), a moment later. A fault that holds
+        the owner's answers back (a paused owner, a cut link: TCP delivers
+        them after the heal, seconds later) breaks that: then the owner
+        acknowledged somewhere between sending the request and the answer
+        arriving, and that span must meet the window.
+        """
+        if not self.hits(op.owner):
+            return False
         until = (self.end or self.start) if self.target is None else self.start
-        return self.hits(op.owner) and self.start - LOSS_WINDOW - self.slack <= op.end \
-            <= until + ACK_WINDOW
+        first, last = self.start - LOSS_WINDOW - self.slack, until + ACK_WINDOW
+        if self.kind in HOLDS_ANSWERS:
+            return op.start <= last and first <= op.end
+        return first <= op.end <= last
 
 
 @dataclass
@@ -492,12 +507,12 @@ def check_window(store: str, missing: list[Op], faults: Faults,
     bad = []
     for op in missing:
         if not any(f.covers(op) for f in faults.done) and id(op) not in tail:
-            near = [f"{f.kind} {f.target or 'bucket'} {op.end - f.start:+.2f} s"
-                    for f in faults.done if f.hits(op.owner)
+            near = [f"{f.kind} {f.target or 'bucket'} {op.start - f.start:+.2f}.."
+                    f"{op.end - f.start:+.2f} s" for f in faults.done if f.hits(op.owner)
                     and -30 < op.end - f.start < 30]
             bad.append(f"{store}: acknowledged publish {op.path} ({op.owner}, epoch "
-                       f"{op.epoch}) is lost outside the loss window (acknowledged at "
-                       f"{', '.join(near) or 'no fault near'} from the fault's start)")
+                       f"{op.epoch}) is lost outside the loss window (sent..acknowledged "
+                       f"at {', '.join(near) or 'no fault near'} from the fault's start)")
     return bad
 
 

@@ -16,12 +16,15 @@ from strata.engine.checkpoint import (
     BLOCK_ENTRIES,
     CHECKPOINT_MAGIC,
     ENTRY,
+    GROUP_PARTS,
     RUN_MAGIC,
     Checkpoint,
     Merge,
     Part,
     PartReader,
     encode_part,
+    encode_table,
+    group_manifest,
     merged,
 )
 from strata.engine.errors import Corrupt
@@ -66,11 +69,14 @@ def test_a_checkpoint_round_trips_and_refuses_damage() -> None:
     assert (back.parts, back.tables, back.refs, back.policies, back.name) == (
         parts, cp.tables, cp.refs, cp.policies, "checkpoints/x")
     body = msgpack.unpackb(data[37:])
-    with pytest.raises(Corrupt, match="checkpoint version 6 .*upgrade"):
-        Checkpoint.decode("checkpoints/new", frame_record(CHECKPOINT_MAGIC, 6, body))
-    # Version 4 (no merge in progress) still reads; version 5 carries one.
-    v4 = {k: v for k, v in body.items() if k != "merge"}
+    with pytest.raises(Corrupt, match="checkpoint version 7 .*upgrade"):
+        Checkpoint.decode("checkpoints/new", frame_record(CHECKPOINT_MAGIC, 7, body))
+    # Versions 4 (no merge in progress) and 5 list every part inline, and still read.
+    v5 = {k: v for k, v in body.items() if k != "manifest"}
+    v5["parts"] = [p.to_list() for p in parts]
+    v4 = {k: v for k, v in v5.items() if k != "merge"}
     assert Checkpoint.decode("checkpoints/v4", frame_record(CHECKPOINT_MAGIC, 4, v4)).parts == parts
+    assert Checkpoint.decode("checkpoints/v5", frame_record(CHECKPOINT_MAGIC, 5, v5)).parts == parts
     cp.merge = Merge(3, 0, [2, 1], b"\x00" * 31 + b"\x07", drop=True)
     assert Checkpoint.decode("checkpoints/m", cp.encode()).merge == cp.merge
     cp.merge = Merge(3, 0, [2, 9], b"")  # an input the manifest does not hold
@@ -79,9 +85,78 @@ def test_a_checkpoint_round_trips_and_refuses_damage() -> None:
     for bad in (data[:-1], b"STRC\x09" + data[5:], data[:40] + bytes([data[40] ^ 1]) + data[41:]):
         with pytest.raises(Corrupt, match="checkpoints/x"):
             Checkpoint.decode("checkpoints/x", bad)
-    body["parts"][0][3] = 0  # a part of no entries
+    v4["parts"][0][3] = 0  # a part of no entries
     with pytest.raises(Corrupt, match="described wrongly"):
-        Checkpoint.decode("checkpoints/y", frame_record(CHECKPOINT_MAGIC, 4, body))
+        Checkpoint.decode("checkpoints/y", frame_record(CHECKPOINT_MAGIC, 4, v4))
+    body["manifest"][0][0] = 2  # neither a part nor a table
+    with pytest.raises(Corrupt, match="neither a part nor a parts table"):
+        Checkpoint.decode("checkpoints/z", frame_record(CHECKPOINT_MAGIC, 6, body))
+
+
+def _part(run: int, i: int, level: int = 1) -> Part:
+    return Part(f"runs/s-{run}-{i}", run, level, 40000, bytes([run, i]) + b"\x00" * 30, b"",
+                4096, b"h" * 32)
+
+
+def test_a_run_of_many_parts_is_named_by_parts_tables() -> None:
+    """Version 6: a checkpoint names a few tables where it listed every part.
+
+    Tables are cut from a run's start, so growing a run (a merge in progress)
+    leaves its full tables as they were: the next checkpoint names them
+    again and writes only the last one. A table read back must be the one
+    named, of one run, and a merge's inputs may sit in tables.
+    """
+    big = [_part(9, i) for i in range(GROUP_PARTS * 2 + 3)]
+    small = [_part(10, 0, level=0)]
+    parts = small + big + [_part(2, 0), _part(2, 1)]
+    store: dict[str, bytes] = {}
+
+    def put(run: int, n: int, data: bytes) -> str:
+        name = f"tables/c1-parts-{run}-{n}"
+        store[name] = data
+        return name
+
+    manifest = group_manifest(parts, {}, put)
+    tables = [i for i in manifest if not isinstance(i, Part)]
+    assert [i for i in manifest if isinstance(i, Part)] == small + parts[-2:]  # inline
+    assert len(tables) == 3 and len(store) == 3
+    cp = Checkpoint(store_id=os.urandom(16), epoch=1, applied=(1, 0), volumes={}, refs={},
+                    leases=[], packs={}, parts=parts, manifest=manifest,
+                    merge=Merge(11, 1, [9, 2], b""),
+                    tables={"packs": ("tables/x-packs", b"p" * 32),
+                            "expired": ("tables/x-expired", b"e" * 32)})
+    data = cp.encode()
+    assert len(data) < 1000 + 150 * 3  # the 35 parts are not listed
+    back = Checkpoint.decode("checkpoints/c1", data)
+    assert back.part_tables == tables and back.merge is not None
+    packs = encode_table("packs", [])
+    expired = encode_table("expired", b"")
+    objects = {**store, "tables/x-packs": packs, "tables/x-expired": expired}
+    back.tables = {"packs": ("tables/x-packs", blake3.blake3(packs).digest()),
+                   "expired": ("tables/x-expired", blake3.blake3(expired).digest())}
+    back.load_tables(objects.__getitem__)
+    assert back.parts == parts and back.merge == cp.merge
+    # The run grows by a part: only its last table is new.
+    grown = small + big + [_part(9, len(big))] + parts[-2:]
+
+    def put2(run: int, n: int, data: bytes) -> str:
+        store[f"tables/c2-parts-{run}-{n}"] = data
+        return f"tables/c2-parts-{run}-{n}"
+
+    again = group_manifest(grown, {h: (n, h) for n, h in tables}, put2)
+    assert [i for i in again if not isinstance(i, Part)][:2] == tables[:2]
+    assert sorted(store) == sorted([*(n for n, _h in tables), "tables/c2-parts-9-2"])
+    # A table that is not the one named, or holds parts of two runs, is refused.
+    for name, data in (
+            (tables[0][0], store[tables[1][0]]),
+            (tables[0][0], encode_table("parts", [p.to_list() for p in parts[:3]]))):
+        forged = dict(objects, **{name: data})
+        back = Checkpoint.decode("checkpoints/c1", cp.encode())
+        if data != store[tables[1][0]]:  # named with its own digest: the content is judged
+            back.manifest = [(name, blake3.blake3(data).digest()) if i == tables[0] else i
+                             for i in back.manifest or ()]
+        with pytest.raises(Corrupt, match="not the one the checkpoint names|more than one run"):
+            back.load_tables(forged.__getitem__)
 
 
 def test_a_version_3_checkpoint_reads_as_one_run() -> None:

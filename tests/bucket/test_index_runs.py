@@ -20,7 +20,8 @@ import lmdb
 import pytest
 
 from bucketutil import key_of
-from strata.engine.checkpoint import FANOUT, Checkpoint, runs_of
+from strata.engine import tiercheckpoints
+from strata.engine.checkpoint import FANOUT, GROUP_PARTS, Checkpoint, runs_of
 from strata.engine.local import LocalStore, init_store
 from strata.engine.tier import restore
 from strata.engine.tree import Trees
@@ -45,7 +46,9 @@ def _checkpoint(s: LocalStore) -> Checkpoint:
     assert s._tier is not None
     s._tier.flush()
     with open(os.path.join(s.path, "tier-checkpoint"), "rb") as f:
-        return Checkpoint.decode("cp", f.read())
+        cp = Checkpoint.decode("cp", f.read())
+    cp.load_tables(s._tier.bucket.get)
+    return cp
 
 
 def _publish(s: LocalStore, files: dict[str, bytes]) -> None:
@@ -83,7 +86,17 @@ def test_a_checkpoint_uploads_what_changed_not_the_whole_index(tmp_path: Path) -
         assert 0 < s._tier.stats["checkpoint_bytes"] <= added  # before sealing
 
 
-def test_runs_merge_and_what_no_checkpoint_names_leaves_the_bucket(tmp_path: Path) -> None:
+@pytest.mark.parametrize("part_entries", [None, 128], ids=["parts-inline", "parts-tables"])
+def test_runs_merge_and_what_no_checkpoint_names_leaves_the_bucket(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part_entries: int | None) -> None:
+    """Runs merge; what no checkpoint names goes; a restore reads them back.
+
+    With parts of 128 entries, a run is cut into dozens of parts and the
+    checkpoint names them by parts tables (version 6), which the merges
+    replace and the deletions follow.
+    """
+    if part_entries is not None:
+        monkeypatch.setattr(tiercheckpoints, "PART_ENTRIES", part_entries)
     path = _store(tmp_path)
     with LocalStore(str(path)) as s:
         s.create_volume("v")
@@ -97,6 +110,10 @@ def test_runs_merge_and_what_no_checkpoint_names_leaves_the_bucket(tmp_path: Pat
         assert all(levels.count(lv) < FANOUT for lv in set(levels)), levels
         assert s._tier is not None
         named = {p.name for p in cp.parts}
+        if part_entries is not None:
+            assert len(cp.part_tables) >= 2 and len(cp.parts) > 2 * GROUP_PARTS, cp.manifest
+            # The checkpoint lists a few tables, not every part.
+            assert len(cp.raw) < 150 * len(cp.parts), (len(cp.raw), len(cp.parts))
         # The tier's own pass may hold some deletions in hand: wait for it, not just ours.
         deadline = time.monotonic() + 20
         def left() -> bool:
@@ -108,7 +125,8 @@ def test_runs_merge_and_what_no_checkpoint_names_leaves_the_bucket(tmp_path: Pat
             time.sleep(0.1)
         assert set(_bucket_files(tmp_path, "runs")) == named
         assert set(_bucket_files(tmp_path, "checkpoints")) == {s._tier._cp_name}
-        assert set(_bucket_files(tmp_path, "tables")) == {n for n, _h in cp.tables.values()}
+        assert set(_bucket_files(tmp_path, "tables")) == {
+            n for n, _h in [*cp.tables.values(), *cp.part_tables]}
         live = {f"f{i}": Transaction(s, "v").read(f"f{i}") for i in range(3000)}
     key = key_of(path)
     os.rename(path, tmp_path / "gone")
@@ -188,8 +206,11 @@ def _settle(s: LocalStore, tmp_path: Path, cp: Checkpoint) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("part_entries", [None, 32], ids=["parts-inline", "parts-tables"])
 def test_a_merge_spans_checkpoints_within_its_budget_and_restores_midway(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, part_entries: int | None) -> None:
+    if part_entries is not None:  # the merge's inputs and output in parts tables
+        monkeypatch.setattr(tiercheckpoints, "PART_ENTRIES", part_entries)
     path = _store(tmp_path)
     live: dict[str, bytes] = {}
     with LocalStore(str(path)) as s:
@@ -239,6 +260,8 @@ def test_a_merge_spans_checkpoints_within_its_budget_and_restores_midway(
         assert seen_midway is not None, "no merge spanned two checkpoints"
         out = [p for p in seen_midway.parts if p.run == seen_midway.merge.out]
         assert out and out[0].level == 1
+        if part_entries is not None:
+            assert seen_midway.part_tables and len(out) > 2, seen_midway.manifest
         # The output sits in front of its inputs, which stay whole until it ends.
         runs = [r[0].run for r in runs_of(seen_midway.parts)]
         assert runs.index(seen_midway.merge.out) + 1 == runs.index(seen_midway.merge.inputs[0])

@@ -19,8 +19,13 @@ and names what is left (`Merge`), so no one checkpoint rewrites most of the
 index (docs/design.md, "Merge pacing"). A run is cut into parts of
 at most `PART_ENTRIES` entries, so a merge holds one part's bytes in memory, not a
 run. The packs table and the expired snapshots are objects of their own,
-written only when they change. So the bytes a checkpoint writes grow with the
-change, not with the store.
+written only when they change. Since version 6 the manifest itself is no
+longer listed whole: a run of more than `INLINE_RUN_PARTS` parts is named by
+parts tables of `GROUP_PARTS` parts each, objects of their own too, so a
+checkpoint names a few tables where it listed every part (a 10M-object store
+has hundreds), and writes only the table whose parts changed (a merge in
+progress adds parts to its last one). So the bytes a checkpoint writes grow
+with the change, not with the store.
 
 Formats (docs/format.md, "The bucket"): a checkpoint is a record framed as
 the log's are ("STRC" magic); a part is "STRI", a version byte, then blocks
@@ -36,6 +41,7 @@ import bisect
 import heapq
 import struct
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,10 +52,10 @@ from strata.engine.errors import Corrupt
 from strata.engine.index import Loc
 
 CHECKPOINT_MAGIC = b"STRC"
-# 5: a merge in progress (`merge`); 4: runs (the manifest), tables apart; 3: `policies`;
-# 2: `expired`
-CHECKPOINT_VERSION = 5
-CHECKPOINT_VERSIONS = (1, 2, 3, 4, 5)  # what this strata reads
+# 6: the manifest names parts tables; 5: a merge in progress (`merge`); 4: runs (the
+# manifest), tables apart; 3: `policies`; 2: `expired`
+CHECKPOINT_VERSION = 6
+CHECKPOINT_VERSIONS = (1, 2, 3, 4, 5, 6)  # what this strata reads
 RUN_MAGIC = b"STRI"
 RUN_VERSION = 2          # 2: tombstones, and the fence table at the end
 RUN_VERSIONS = (1, 2)
@@ -72,6 +78,14 @@ MERGE_RATE = 4
 # A level that collects this many runs while another level's merge is in progress
 # lifts the bound: that merge finishes in this checkpoint, so lookups stay bounded.
 MERGE_BACKLOG = 2 * FANOUT
+# Version 6: a run of more than INLINE_RUN_PARTS parts (a checkpoint's own delta is
+# one) is listed in parts tables of GROUP_PARTS parts each, so a checkpoint names a
+# table (about 70 bytes) where it listed parts (about 150 bytes each), and a run's
+# tables are written once: only a merge in progress rewrites its last table, at most
+# GROUP_PARTS parts (2.4 KB), whatever the store's size.
+INLINE_RUN_PARTS = 2
+GROUP_PARTS = 16
+TableRef = tuple[str, bytes]  # a table object's name and BLAKE3-256
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +149,11 @@ class Merge:
         return [self.out, self.level, self.inputs, self.after, self.drop]
 
     @classmethod
-    def from_list(cls, raw: list[Any], parts: list[Part]) -> Merge:
+    def from_list(cls, raw: list[Any], parts: list[Part] | None) -> Merge:
+        """The merge `raw` describes, among the runs of `parts` (None: not known yet)."""
         out, level, inputs, after, drop = raw
         merge = cls(int(out), int(level), [int(r) for r in inputs], bytes(after), bool(drop))
-        runs = [r[0].run for r in runs_of(parts)]
+        runs = [r[0].run for r in runs_of(parts)] if parts is not None else merge.inputs
         if (len(merge.after) not in (0, 32) or len(merge.inputs) < 2
                 or any(r not in runs for r in merge.inputs)):
             raise ValueError("the merge in progress is described wrongly")
@@ -165,6 +180,10 @@ class Checkpoint:
     # (name, BLAKE3-256), shared by checkpoints until they change; `load_tables` reads them.
     tables: dict[str, tuple[str, bytes]] = field(default_factory=dict)
     merge: Merge | None = None                   # version 5: a merge in progress
+    # Version 6: the manifest as encoded, in order: parts, and parts tables standing
+    # for GROUP_PARTS parts each (see `group_manifest`); `load_tables` resolves the
+    # tables into `parts`. None when encoding: every part is listed.
+    manifest: list[Part | TableRef] | None = None
     name: str = ""                               # its bucket name (not encoded)
     version: int = CHECKPOINT_VERSION            # what it was read as
     raw: bytes = b""                             # the bytes it was read from
@@ -177,9 +196,16 @@ class Checkpoint:
             "applied": list(self.applied), "volumes": self.volumes,
             "refs": [[v, b, bytes.fromhex(s)] for (v, b), s in sorted(self.refs.items())],
             "leases": self.leases, "log_from": self.log_from, "block_size": self.block_size,
-            "parts": [p.to_list() for p in self.parts], "policies": self.policies,
+            "manifest": [[0, i.to_list()] if isinstance(i, Part) else [1, i[0], i[1]]
+                         for i in (self.parts if self.manifest is None else self.manifest)],
+            "policies": self.policies,
             "tables": {k: [n, h] for k, (n, h) in sorted(self.tables.items())},
             "merge": self.merge.to_list() if self.merge is not None else None})
+
+    @property
+    def part_tables(self) -> list[TableRef]:
+        """The parts tables this checkpoint names (version 6)."""
+        return [i for i in self.manifest or () if not isinstance(i, Part)]
 
     @classmethod
     def decode(cls, name: str, data: bytes) -> Checkpoint:
@@ -196,12 +222,17 @@ class Checkpoint:
                 policies=[[bytes(k), bytes(v)] for k, v in b.get("policies", [])],
                 name=name, version=version, raw=data)
             if version >= 4:
-                cp.parts = [Part.from_list(list(p)) for p in b["parts"]]
+                if version >= 6:
+                    cp.manifest = [_manifest_item(list(i)) for i in b["manifest"]]
+                    cp.parts = [i for i in cp.manifest if isinstance(i, Part)]
+                else:
+                    cp.parts = [Part.from_list(list(p)) for p in b["parts"]]
                 cp.tables = {str(k): (str(v[0]), bytes(v[1])) for k, v in b["tables"].items()}
                 if set(cp.tables) != {"packs", "expired"}:
                     raise ValueError("tables are not packs and expired")
-                if version >= 5 and b["merge"] is not None:
-                    cp.merge = Merge.from_list(list(b["merge"]), cp.parts)
+                if version >= 5 and b["merge"] is not None:  # checked again once loaded
+                    cp.merge = Merge.from_list(list(b["merge"]),
+                                               None if cp.part_tables else cp.parts)
                 return cp
             cp.packs = _packs_of(b["packs"])
             cp.expired = _ids(bytes(b.get("expired", b"")))
@@ -219,11 +250,65 @@ class Checkpoint:
             raise Corrupt(name, 0, f"checkpoint fields are malformed: {exc}") from None
 
     def load_tables(self, get: Callable[[str], bytes]) -> None:
-        """Read a version 4 checkpoint's packs and expired tables (`get`: a bucket GET)."""
+        """Read a version 4 checkpoint's tables (`get`: a bucket GET).
+
+        Those are packs, expired, and (version 6) the parts tables of its
+        manifest, into `parts`.
+        """
         if self.version < 4:
             return
+        if self.part_tables:
+            refs = self.part_tables
+            with ThreadPoolExecutor(min(8, len(refs))) as pool:
+                rows = dict(zip(refs, pool.map(
+                    lambda ref: read_table(ref, "parts", get), refs), strict=True))
+            try:
+                self.parts = [p for i in self.manifest or () for p in (
+                    [i] if isinstance(i, Part) else _parts_of(rows[i]))]
+                if self.merge is not None:  # its runs are known only now
+                    self.merge = Merge.from_list(self.merge.to_list(), self.parts)
+            except (TypeError, ValueError, IndexError) as exc:
+                raise Corrupt(self.name, 0, f"a parts table is malformed: {exc}") from None
         self.packs = _packs_of(read_table(self.tables["packs"], "packs", get))
         self.expired = _ids(bytes(read_table(self.tables["expired"], "expired", get)))
+
+
+def _manifest_item(raw: list[Any]) -> Part | TableRef:
+    if raw[0] == 0 and len(raw) == 2:
+        return Part.from_list(list(raw[1]))
+    if raw[0] == 1 and len(raw) == 3 and len(bytes(raw[2])) == 32:
+        return str(raw[1]), bytes(raw[2])
+    raise ValueError("a manifest item is neither a part nor a parts table")
+
+
+def _parts_of(rows: Any) -> list[Part]:
+    parts = [Part.from_list(list(r)) for r in rows]
+    if not 0 < len(parts) <= GROUP_PARTS or len({p.run for p in parts}) != 1:
+        raise ValueError(f"a parts table holds {len(parts)} part(s) of more than one run, "
+                         f"or none, or over {GROUP_PARTS}")
+    return parts
+
+
+def group_manifest(parts: list[Part], have: dict[bytes, TableRef],
+                   put: Callable[[int, int, bytes], str]) -> list[Part | TableRef]:
+    """The version 6 manifest of `parts`: runs of many parts listed in parts tables.
+
+    A run of more than INLINE_RUN_PARTS parts is cut into tables of GROUP_PARTS
+    parts from its start, so a run's tables stay the same as it grows (a merge
+    in progress) but for its last. A table whose bytes `have` holds (by
+    BLAKE3-256) is named again; else `put(run, n, bytes)` stores the run's
+    n-th table and returns its name.
+    """
+    out: list[Part | TableRef] = []
+    for run in runs_of(parts):
+        if len(run) <= INLINE_RUN_PARTS:
+            out.extend(run)
+            continue
+        for i in range(0, len(run), GROUP_PARTS):
+            data = encode_table("parts", [p.to_list() for p in run[i:i + GROUP_PARTS]])
+            digest = blake3.blake3(data).digest()
+            out.append(have.get(digest) or (put(run[0].run, i // GROUP_PARTS, data), digest))
+    return out
 
 
 def _packs_of(rows: Any) -> dict[int, tuple[str, int]]:
@@ -237,7 +322,10 @@ def _ids(raw: bytes) -> list[bytes]:
 
 
 def encode_table(kind: str, rows: Any) -> bytes:
-    """A table object: the packs table (rows) or the expired snapshots (joined ids)."""
+    """A table object: the packs table (rows), the expired snapshots (joined ids).
+
+    Or (version 6 checkpoints) a parts table (rows).
+    """
     return frame_record(TABLE_MAGIC, TABLE_VERSION, {"kind": kind, "rows": rows})
 
 

@@ -38,6 +38,7 @@ from strata.engine.checkpoint import (
     PartReader,
     PartWriter,
     encode_table,
+    group_manifest,
     merged,
     packs_rows,
     runs_of,
@@ -175,12 +176,16 @@ class Checkpoints(TierState):
         tables_ref = {
             "packs": self._table("packs", packs_rows(remote), stamp),
             "expired": self._table("expired", b"".join(tables["expired"]), stamp)}
+        manifest = group_manifest(parts, {h: (n, h) for n, h in self._part_tables},
+                                  lambda run, n, data: self._put_table(
+                                      f"tables/{stamp}-parts-{run}-{n}", data))
+        part_tables = [i for i in manifest if not isinstance(i, Part)]
         cp = Checkpoint(store_id=self._store_id, epoch=self.log.epoch or 0,
                         applied=tables["applied"], volumes=tables["volumes"],
                         refs=tables["refs"], leases=tables["leases"], packs=remote,
                         parts=parts, log_from=log_from, block_size=self._block_size,
                         expired=tables["expired"], policies=tables["policies"],
-                        tables=tables_ref, merge=merging)
+                        tables=tables_ref, merge=merging, manifest=manifest)
         name = f"checkpoints/{stamp}"
         data = cp.encode()
         self._put_ours(name, data)
@@ -197,11 +202,15 @@ class Checkpoints(TierState):
                 raise
         self._index.checkpoint_done(seq, name)
         # What only earlier checkpoints name goes once this one is in the log.
-        keep = {p.name for p in parts} | {n for n, _h in tables_ref.values()}
-        # Earlier runs it merged, and runs this checkpoint wrote then merged again.
+        keep = {p.name for p in parts} | {n for n, _h in tables_ref.values()} \
+            | {n for n, _h in part_tables}
+        # Earlier runs it merged, runs this checkpoint wrote then merged again, and
+        # what a checkpoint that failed wrote.
         gone = [p.name for p in old if p.name not in keep]
-        gone += [n for n in self._written_bytes if n.startswith("runs/") and n not in keep]
-        gone += [n for n, _h in self._tables_ref.values() if n not in keep]
+        gone += [n for n in self._written_bytes
+                 if n.startswith(("runs/", "tables/")) and n not in keep]
+        gone += [n for n, _h in [*self._tables_ref.values(), *self._part_tables]
+                 if n not in keep]
         if self._cp_name and self._cp_name.startswith("checkpoints/"):
             gone.append(self._cp_name)
         if "gc_log" in BROKEN:
@@ -214,6 +223,7 @@ class Checkpoints(TierState):
             self._cp_done = max(self._cp_done, taken)
             self._doomed.extend((g, taken - 1) for g in gone)
         self._manifest, self._tables_ref, self._cp_name = parts, tables_ref, name
+        self._part_tables = part_tables
         self._merging = merging
         self.log.write_hint()
         if self.index_complete():
@@ -366,10 +376,12 @@ class Checkpoints(TierState):
         have = self._tables_ref.get(kind)
         if have is not None and have[1] == digest:
             return have
-        name = f"tables/{stamp}-{kind}"
+        return self._put_table(f"tables/{stamp}-{kind}", data), digest
+
+    def _put_table(self, name: str, data: bytes) -> str:
         self._put_ours(name, data)
         self._written_bytes[name] = len(data)
-        return name, digest
+        return name
 
     def _save_state(self, checkpoint: bytes | None = None) -> None:
         """Remember locally how far this owner's log reached (and its last checkpoint)."""

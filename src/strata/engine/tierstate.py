@@ -82,6 +82,9 @@ class TierState(PackStore):
         self._manifest: list[Part] = list(checkpoint.parts) if checkpoint else []
         self._tables_ref: dict[str, tuple[str, bytes]] = (
             dict(checkpoint.tables) if checkpoint else {})
+        # The parts tables its manifest names (checkpoint version 6), reused by digest.
+        self._part_tables: list[tuple[str, bytes]] = (
+            list(checkpoint.part_tables) if checkpoint else [])
         self._cp_name: str | None = cp_name
         self._next_run = 1 + max((p.run for p in self._manifest), default=0)
         # The merge the last checkpoint left in progress, if any (engine/checkpoint.py).

@@ -17,6 +17,7 @@ from strata.engine.checkpoint import (
     CHECKPOINT_MAGIC,
     ENTRY,
     GROUP_PARTS,
+    PACKS_PER_TABLE,
     RUN_MAGIC,
     Checkpoint,
     Merge,
@@ -25,6 +26,7 @@ from strata.engine.checkpoint import (
     encode_part,
     encode_table,
     group_manifest,
+    group_packs,
     merged,
 )
 from strata.engine.errors import Corrupt
@@ -62,21 +64,26 @@ def test_a_checkpoint_round_trips_and_refuses_damage() -> None:
                     leases=[["v", "live", 3, 10**18, "host", b"k" * 16]],
                     packs={}, log_from=12, block_size=65536, parts=parts,
                     policies=[[b"v\0", b'{"keep_last": 2}']],
-                    tables={"packs": ("tables/x-packs", b"p" * 32),
-                            "expired": ("tables/x-expired", b"e" * 32)})
+                    tables={"expired": ("tables/x-expired", b"e" * 32)},
+                    pack_tables=[("tables/x-packs-0", b"p" * 32)])
     data = cp.encode()
     back = Checkpoint.decode("checkpoints/x", data)
-    assert (back.parts, back.tables, back.refs, back.policies, back.name) == (
-        parts, cp.tables, cp.refs, cp.policies, "checkpoints/x")
+    assert (back.parts, back.tables, back.pack_tables, back.refs, back.policies,
+            back.name) == (parts, cp.tables, cp.pack_tables, cp.refs, cp.policies,
+                           "checkpoints/x")
     body = msgpack.unpackb(data[37:])
     with pytest.raises(Corrupt, match="checkpoint version 7 .*upgrade"):
         Checkpoint.decode("checkpoints/new", frame_record(CHECKPOINT_MAGIC, 7, body))
     # Versions 4 (no merge in progress) and 5 list every part inline, and still read.
-    v5 = {k: v for k, v in body.items() if k != "manifest"}
+    # and one packs table, named in `tables`: read as one of the packs tables.
+    v5 = {k: v for k, v in body.items() if k not in ("manifest", "pack_tables")}
     v5["parts"] = [p.to_list() for p in parts]
+    v5["tables"] = {"packs": ["tables/x-packs", b"p" * 32], **v5["tables"]}
     v4 = {k: v for k, v in v5.items() if k != "merge"}
-    assert Checkpoint.decode("checkpoints/v4", frame_record(CHECKPOINT_MAGIC, 4, v4)).parts == parts
-    assert Checkpoint.decode("checkpoints/v5", frame_record(CHECKPOINT_MAGIC, 5, v5)).parts == parts
+    for version, old in ((4, v4), (5, v5)):
+        back = Checkpoint.decode("checkpoints/old", frame_record(CHECKPOINT_MAGIC, version, old))
+        assert (back.parts, back.tables, back.pack_tables) == (
+            parts, cp.tables, [("tables/x-packs", b"p" * 32)])
     cp.merge = Merge(3, 0, [2, 1], b"\x00" * 31 + b"\x07", drop=True)
     assert Checkpoint.decode("checkpoints/m", cp.encode()).merge == cp.merge
     cp.merge = Merge(3, 0, [2, 9], b"")  # an input the manifest does not hold
@@ -123,8 +130,7 @@ def test_a_run_of_many_parts_is_named_by_parts_tables() -> None:
     cp = Checkpoint(store_id=os.urandom(16), epoch=1, applied=(1, 0), volumes={}, refs={},
                     leases=[], packs={}, parts=parts, manifest=manifest,
                     merge=Merge(11, 1, [9, 2], b""),
-                    tables={"packs": ("tables/x-packs", b"p" * 32),
-                            "expired": ("tables/x-expired", b"e" * 32)})
+                    tables={"expired": ("tables/x-expired", b"e" * 32)})
     data = cp.encode()
     assert len(data) < 1000 + 150 * 3  # the 35 parts are not listed
     back = Checkpoint.decode("checkpoints/c1", data)
@@ -132,8 +138,8 @@ def test_a_run_of_many_parts_is_named_by_parts_tables() -> None:
     packs = encode_table("packs", [])
     expired = encode_table("expired", b"")
     objects = {**store, "tables/x-packs": packs, "tables/x-expired": expired}
-    back.tables = {"packs": ("tables/x-packs", blake3.blake3(packs).digest()),
-                   "expired": ("tables/x-expired", blake3.blake3(expired).digest())}
+    back.tables = {"expired": ("tables/x-expired", blake3.blake3(expired).digest())}
+    back.pack_tables = [("tables/x-packs", blake3.blake3(packs).digest())]
     back.load_tables(objects.__getitem__)
     assert back.parts == parts and back.merge == cp.merge
     # The run grows by a part: only its last table is new.
@@ -152,11 +158,49 @@ def test_a_run_of_many_parts_is_named_by_parts_tables() -> None:
             (tables[0][0], encode_table("parts", [p.to_list() for p in parts[:3]]))):
         forged = dict(objects, **{name: data})
         back = Checkpoint.decode("checkpoints/c1", cp.encode())
+        back.tables = {"expired": ("tables/x-expired", blake3.blake3(expired).digest())}
         if data != store[tables[1][0]]:  # named with its own digest: the content is judged
             back.manifest = [(name, blake3.blake3(data).digest()) if i == tables[0] else i
                              for i in back.manifest or ()]
-        with pytest.raises(Corrupt, match="not the one the checkpoint names|more than one run"):
+        with pytest.raises(Corrupt, match=r"parts table is not the one the checkpoint names"
+                                          r"|more than one run"):
             back.load_tables(forged.__getitem__)
+
+
+def test_the_packs_table_is_cut_by_pack_number() -> None:
+    """Version 6: a new pack changes only the last packs table, a removed one only its own."""
+    packs = {n: (f"packs/{n:08x}-0-aa.pack", 1000 + n) for n in range(1, 3 * PACKS_PER_TABLE)}
+    store: dict[str, bytes] = {}
+
+    def put(k: int, data: bytes) -> str:
+        name = f"tables/c{len(store)}-packs-{k}"
+        store[name] = data
+        return name
+
+    first = group_packs(packs, {}, put)
+    assert len(first) == 3
+    have = {h: (n, h) for n, h in first}
+    packs[3 * PACKS_PER_TABLE] = ("packs/new.pack", 5)   # table 3, new
+    del packs[PACKS_PER_TABLE + 7]                        # table 1 changes
+    second = group_packs(packs, have, put)
+    assert second[0] == first[0] and second[2] == first[2]
+    assert second[1] != first[1] and len(second) == 4 and len(store) == 5
+    cp = Checkpoint(store_id=os.urandom(16), epoch=1, applied=(1, 0), volumes={}, refs={},
+                    leases=[], packs={}, tables={}, pack_tables=second)
+    expired = encode_table("expired", b"")
+    objects = {**store, "tables/e": expired}
+    cp.tables = {"expired": ("tables/e", blake3.blake3(expired).digest())}
+    back = Checkpoint.decode("checkpoints/p", cp.encode())
+    with pytest.raises(Corrupt, match="checkpoint fields are malformed"):
+        Checkpoint.decode("checkpoints/p", frame_record(CHECKPOINT_MAGIC, 6, {
+            **msgpack.unpackb(cp.encode()[37:]), "pack_tables": [["t", b"short"]]}))
+    back.load_tables(objects.__getitem__)
+    assert back.packs == packs
+    # A pack in two tables is refused.
+    twice = dict(objects, **{second[0][0]: store[second[1][0]]})
+    back.pack_tables = [second[1], (second[0][0], second[1][1])]
+    with pytest.raises(Corrupt, match="a pack is in two packs tables"):
+        back.load_tables(twice.__getitem__)
 
 
 def test_a_version_3_checkpoint_reads_as_one_run() -> None:

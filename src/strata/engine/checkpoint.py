@@ -24,8 +24,10 @@ longer listed whole: a run of more than `INLINE_RUN_PARTS` parts is named by
 parts tables of `GROUP_PARTS` parts each, objects of their own too, so a
 checkpoint names a few tables where it listed every part (a 10M-object store
 has hundreds), and writes only the table whose parts changed (a merge in
-progress adds parts to its last one). So the bytes a checkpoint writes grow
-with the change, not with the store.
+progress adds parts to its last one). The packs table is cut the same way,
+into tables of `PACKS_PER_TABLE` pack numbers each: a new pack changes only
+the last, a pack GC removed only its own. So the bytes a checkpoint writes
+grow with the change, not with the store.
 
 Formats (docs/format.md, "The bucket"): a checkpoint is a record framed as
 the log's are ("STRC" magic); a part is "STRI", a version byte, then blocks
@@ -52,8 +54,8 @@ from strata.engine.errors import Corrupt
 from strata.engine.index import Loc
 
 CHECKPOINT_MAGIC = b"STRC"
-# 6: the manifest names parts tables; 5: a merge in progress (`merge`); 4: runs (the
-# manifest), tables apart; 3: `policies`; 2: `expired`
+# 6: the manifest names parts tables, the packs table is cut by pack number; 5: a merge
+# in progress (`merge`); 4: runs (the manifest), tables apart; 3: `policies`; 2: `expired`
 CHECKPOINT_VERSION = 6
 CHECKPOINT_VERSIONS = (1, 2, 3, 4, 5, 6)  # what this strata reads
 RUN_MAGIC = b"STRI"
@@ -85,6 +87,10 @@ MERGE_BACKLOG = 2 * FANOUT
 # GROUP_PARTS parts (2.4 KB), whatever the store's size.
 INLINE_RUN_PARTS = 2
 GROUP_PARTS = 16
+# And the packs table (since version 6) is cut into tables of PACKS_PER_TABLE pack
+# numbers each (numbers n with n // PACKS_PER_TABLE = k go to table k): packs are
+# numbered in order, so a new pack changes only the last table.
+PACKS_PER_TABLE = 256
 TableRef = tuple[str, bytes]  # a table object's name and BLAKE3-256
 
 
@@ -178,7 +184,10 @@ class Checkpoint:
     policies: list[list[bytes]] = field(default_factory=list)  # the policies table's rows
     # Version 4: the packs table and the expired snapshots are objects of their own
     # (name, BLAKE3-256), shared by checkpoints until they change; `load_tables` reads them.
+    # Since version 6, `tables` holds only "expired", and the packs table is cut into
+    # `pack_tables` (a version 4 or 5 checkpoint's one packs table is read as one).
     tables: dict[str, tuple[str, bytes]] = field(default_factory=dict)
+    pack_tables: list[TableRef] = field(default_factory=list)
     merge: Merge | None = None                   # version 5: a merge in progress
     # Version 6: the manifest as encoded, in order: parts, and parts tables standing
     # for GROUP_PARTS parts each (see `group_manifest`); `load_tables` resolves the
@@ -189,8 +198,8 @@ class Checkpoint:
     raw: bytes = b""                             # the bytes it was read from
 
     def encode(self) -> bytes:
-        if set(self.tables) != {"packs", "expired"}:
-            raise ValueError("a checkpoint names its packs and expired tables")
+        if set(self.tables) != {"expired"}:
+            raise ValueError("a checkpoint names its expired table (and its packs tables)")
         return frame_record(CHECKPOINT_MAGIC, CHECKPOINT_VERSION, {
             "v": CHECKPOINT_VERSION, "store_id": self.store_id, "epoch": self.epoch,
             "applied": list(self.applied), "volumes": self.volumes,
@@ -200,6 +209,7 @@ class Checkpoint:
                          for i in (self.parts if self.manifest is None else self.manifest)],
             "policies": self.policies,
             "tables": {k: [n, h] for k, (n, h) in sorted(self.tables.items())},
+            "pack_tables": [[n, h] for n, h in self.pack_tables],
             "merge": self.merge.to_list() if self.merge is not None else None})
 
     @property
@@ -228,8 +238,14 @@ class Checkpoint:
                 else:
                     cp.parts = [Part.from_list(list(p)) for p in b["parts"]]
                 cp.tables = {str(k): (str(v[0]), bytes(v[1])) for k, v in b["tables"].items()}
-                if set(cp.tables) != {"packs", "expired"}:
-                    raise ValueError("tables are not packs and expired")
+                if version >= 6:
+                    cp.pack_tables = [_ref(r) for r in b["pack_tables"]]
+                    if set(cp.tables) != {"expired"}:
+                        raise ValueError("tables are not the expired table")
+                else:
+                    if set(cp.tables) != {"packs", "expired"}:
+                        raise ValueError("tables are not packs and expired")
+                    cp.pack_tables = [cp.tables.pop("packs")]
                 if version >= 5 and b["merge"] is not None:  # checked again once loaded
                     cp.merge = Merge.from_list(list(b["merge"]),
                                                None if cp.part_tables else cp.parts)
@@ -252,16 +268,30 @@ class Checkpoint:
     def load_tables(self, get: Callable[[str], bytes]) -> None:
         """Read a version 4 checkpoint's tables (`get`: a bucket GET).
 
-        Those are packs, expired, and (version 6) the parts tables of its
-        manifest, into `parts`.
+        Those are the packs tables, expired, and (version 6) the parts tables
+        of its manifest, into `parts`: 8 GETs in flight.
         """
         if self.version < 4:
             return
+        refs = [*((r, "parts") for r in self.part_tables),
+                *((r, "packs") for r in self.pack_tables),
+                (self.tables["expired"], "expired")]
+        with ThreadPoolExecutor(min(8, len(refs))) as pool:
+            got = list(pool.map(lambda rk: read_table(rk[0], rk[1], get), refs))
+        rows = {ref: g for (ref, kind), g in zip(refs, got, strict=True) if kind == "parts"}
+        self.packs = {}
+        try:
+            for (_r, kind), g in zip(refs, got, strict=True):
+                if kind == "packs":
+                    some = _packs_of(g)
+                    if some.keys() & self.packs.keys():
+                        raise ValueError("a pack is in two packs tables")
+                    self.packs.update(some)
+            self.expired = _ids(bytes(got[-1]))
+        except (TypeError, ValueError, IndexError) as exc:
+            raise Corrupt(self.name, 0, f"a packs or expired table is malformed: {exc}"
+                          ) from None
         if self.part_tables:
-            refs = self.part_tables
-            with ThreadPoolExecutor(min(8, len(refs))) as pool:
-                rows = dict(zip(refs, pool.map(
-                    lambda ref: read_table(ref, "parts", get), refs), strict=True))
             try:
                 self.parts = [p for i in self.manifest or () for p in (
                     [i] if isinstance(i, Part) else _parts_of(rows[i]))]
@@ -269,8 +299,6 @@ class Checkpoint:
                     self.merge = Merge.from_list(self.merge.to_list(), self.parts)
             except (TypeError, ValueError, IndexError) as exc:
                 raise Corrupt(self.name, 0, f"a parts table is malformed: {exc}") from None
-        self.packs = _packs_of(read_table(self.tables["packs"], "packs", get))
-        self.expired = _ids(bytes(read_table(self.tables["expired"], "expired", get)))
 
 
 def _manifest_item(raw: list[Any]) -> Part | TableRef:
@@ -279,6 +307,31 @@ def _manifest_item(raw: list[Any]) -> Part | TableRef:
     if raw[0] == 1 and len(raw) == 3 and len(bytes(raw[2])) == 32:
         return str(raw[1]), bytes(raw[2])
     raise ValueError("a manifest item is neither a part nor a parts table")
+
+
+def _ref(raw: Any) -> TableRef:
+    name, digest = raw
+    if len(bytes(digest)) != 32:
+        raise ValueError("a table's hash is not 32 bytes")
+    return str(name), bytes(digest)
+
+
+def group_packs(packs: dict[int, tuple[str, int]], have: dict[bytes, TableRef],
+                put: Callable[[int, bytes], str]) -> list[TableRef]:
+    """The version 6 packs tables of `packs`: `PACKS_PER_TABLE` pack numbers each.
+
+    A table whose bytes `have` holds (by BLAKE3-256) is named again; else
+    `put(k, bytes)` stores table k and returns its name.
+    """
+    cut: dict[int, dict[int, tuple[str, int]]] = {}
+    for n, where in packs.items():
+        cut.setdefault(n // PACKS_PER_TABLE, {})[n] = where
+    out = []
+    for k in sorted(cut):
+        data = encode_table("packs", packs_rows(cut[k]))
+        digest = blake3.blake3(data).digest()
+        out.append(have.get(digest) or (put(k, data), digest))
+    return out
 
 
 def _parts_of(rows: Any) -> list[Part]:

@@ -39,8 +39,8 @@ from strata.engine.checkpoint import (
     PartWriter,
     encode_table,
     group_manifest,
+    group_packs,
     merged,
-    packs_rows,
     runs_of,
     size_level,
 )
@@ -173,9 +173,10 @@ class Checkpoints(TierState):
             budget = max(self.merge_floor, self.merge_rate * sum(p.entries for p in written))
             parts, merging = self._merge(parts, merging, stamp, budget)
         log_from = min(unsent) if unsent else (self.log.next or 0)
-        tables_ref = {
-            "packs": self._table("packs", packs_rows(remote), stamp),
-            "expired": self._table("expired", b"".join(tables["expired"]), stamp)}
+        tables_ref = {"expired": self._table("expired", b"".join(tables["expired"]), stamp)}
+        pack_tables = group_packs(remote, {h: (n, h) for n, h in self._pack_tables},
+                                  lambda k, data: self._put_table(
+                                      f"tables/{stamp}-packs-{k}", data))
         manifest = group_manifest(parts, {h: (n, h) for n, h in self._part_tables},
                                   lambda run, n, data: self._put_table(
                                       f"tables/{stamp}-parts-{run}-{n}", data))
@@ -185,7 +186,8 @@ class Checkpoints(TierState):
                         refs=tables["refs"], leases=tables["leases"], packs=remote,
                         parts=parts, log_from=log_from, block_size=self._block_size,
                         expired=tables["expired"], policies=tables["policies"],
-                        tables=tables_ref, merge=merging, manifest=manifest)
+                        tables=tables_ref, merge=merging, manifest=manifest,
+                        pack_tables=pack_tables)
         name = f"checkpoints/{stamp}"
         data = cp.encode()
         self._put_ours(name, data)
@@ -203,14 +205,14 @@ class Checkpoints(TierState):
         self._index.checkpoint_done(seq, name)
         # What only earlier checkpoints name goes once this one is in the log.
         keep = {p.name for p in parts} | {n for n, _h in tables_ref.values()} \
-            | {n for n, _h in part_tables}
+            | {n for n, _h in part_tables} | {n for n, _h in pack_tables}
         # Earlier runs it merged, runs this checkpoint wrote then merged again, and
         # what a checkpoint that failed wrote.
         gone = [p.name for p in old if p.name not in keep]
         gone += [n for n in self._written_bytes
                  if n.startswith(("runs/", "tables/")) and n not in keep]
-        gone += [n for n, _h in [*self._tables_ref.values(), *self._part_tables]
-                 if n not in keep]
+        gone += [n for n, _h in [*self._tables_ref.values(), *self._part_tables,
+                                 *self._pack_tables] if n not in keep]
         if self._cp_name and self._cp_name.startswith("checkpoints/"):
             gone.append(self._cp_name)
         if "gc_log" in BROKEN:
@@ -223,7 +225,7 @@ class Checkpoints(TierState):
             self._cp_done = max(self._cp_done, taken)
             self._doomed.extend((g, taken - 1) for g in gone)
         self._manifest, self._tables_ref, self._cp_name = parts, tables_ref, name
-        self._part_tables = part_tables
+        self._part_tables, self._pack_tables = part_tables, pack_tables
         self._merging = merging
         self.log.write_hint()
         if self.index_complete():

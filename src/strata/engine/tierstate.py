@@ -85,6 +85,8 @@ class TierState(PackStore):
         # The parts tables its manifest names (checkpoint version 6), reused by digest.
         self._part_tables: list[tuple[str, bytes]] = (
             list(checkpoint.part_tables) if checkpoint else [])
+        self._pack_tables: list[tuple[str, bytes]] = (
+            list(checkpoint.pack_tables) if checkpoint else [])
         self._cp_name: str | None = cp_name
         self._next_run = 1 + max((p.run for p in self._manifest), default=0)
         # The merge the last checkpoint left in progress, if any (engine/checkpoint.py).

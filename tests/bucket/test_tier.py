@@ -311,3 +311,32 @@ def test_a_refused_acknowledgement_never_tears_a_seal(tmp_path: Path, sync: str)
     with LocalStore(str(tmp_path / "again")) as r:
         assert r.fsck()["ok"]
         assert Transaction(r, "v").read("after") == b"after"
+
+
+def test_a_clean_close_leaves_the_next_restore_no_log_to_replay(tmp_path: Path) -> None:
+    """A planned move: the closing owner seals and uploads its last pack.
+
+    Its last checkpoint then starts the log past every segment, so whoever
+    restores next rebuilds no pack from the log (a move's claim replayed a
+    second of publishes before). The store reopened appends to a new pack.
+    """
+    url = f"file://{tmp_path}/bucket"
+    a = tmp_path / "a"
+    init_store(str(a), bucket=url)  # 4 MiB packs: the publishes stay in pack 1 unsealed
+    with LocalStore(str(a)) as s:
+        s.create_volume("v")
+        for i in range(20):
+            t = Transaction(s, "v")
+            t.write(f"f{i}", content(f"f{i}", 3000))
+            t.commit()
+        assert s._tier is not None and not s._tier.remote  # nothing uploaded yet
+    report = restore(url, str(tmp_path / "b"), key=key_of(a))
+    assert (report["segments"], report["packs"], report["packs_in_bucket"]) == (0, 0, 1), report
+    with LocalStore(str(tmp_path / "b")) as s:
+        for i in range(20):
+            assert Transaction(s, "v").read(f"f{i}") == content(f"f{i}", 3000)
+        t = Transaction(s, "v")
+        t.write("later", b"after the move")
+        t.commit()
+        assert s._journal.end()[0] == 2  # pack 1 stays sealed
+        assert s.fsck()["ok"]

@@ -69,6 +69,7 @@ class Journal:
         self._inflight = 0  # publishes between start and commit append
         self._done = 0      # publishes that have appended (or given up), ever
         self.durable: Pos = (0, 0)
+        self._tail_closed = False  # the active pack's writer was closed (sealed for close)
         self._open_writer()
 
     def _open_writer(self) -> None:
@@ -224,9 +225,13 @@ class Journal:
         self.stats["bytes_written"] += len(data)
         return number, offset
 
-    def _seal_locked(self) -> None:
-        """Seal the active pack and start the next; caller holds append_lock."""
-        writer, number, offset, _born = self.tail
+    def _seal_locked(self, *, then_new: bool = True) -> None:
+        """Seal the active pack and start the next; caller holds append_lock.
+
+        Without `then_new` the journal is left with no pack to append to: only
+        `close` may follow.
+        """
+        writer, number, offset, born = self.tail
         seal = packfmt.seal_frame(offset, self._sync)
         writer.write(seal)
         end = offset + len(seal)
@@ -239,7 +244,11 @@ class Journal:
             self._advance_durable((number, end))
         writer.close()
         self.packs.seal(number)
-        self._new_pack(number + 1)
+        if then_new:
+            self._new_pack(number + 1)
+        else:
+            self._set_tail(writer, number, end, born)
+            self._tail_closed = True
 
     def copy_objects(self, frames: Sequence[Frame]) -> Pos:
         """Append copies of stored objects (compaction); returns where they end."""
@@ -255,6 +264,21 @@ class Journal:
             if self.tail[2] <= packfmt.HEADER_SIZE:
                 return False
             self._seal_locked()
+            return True
+
+    def seal_for_close(self) -> bool:
+        """Seal the active pack, if it holds any record, and start none: a close follows.
+
+        A store kept in a bucket does this at a clean close, so its tier's last
+        flush uploads the pack whole and the checkpoint's `log_from` passes it:
+        whoever restores the store next (a planned move's target) replays no
+        log tail. (Its next open starts a new pack, as after any sealed one.)
+        """
+        with self.append_lock:
+            if self.closed or self.failed is not None or self.tail[2] <= packfmt.HEADER_SIZE:
+                return False
+            self._seal_locked(then_new=False)
+            self.closed = True  # nothing may append: there is no pack to append to
             return True
 
     def maybe_seal_by_age(self) -> None:
@@ -351,4 +375,6 @@ class Journal:
                 except Exception:  # noqa: BLE001 - e.g. LMDB on a full disk: the next
                     pass           # open replays what the index lacks; close must finish
             self.closed = True
-            writer.close()
+            if not self._tail_closed:
+                writer.close()
+                self._tail_closed = True

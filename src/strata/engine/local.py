@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -46,6 +47,7 @@ from strata.engine.errors import (
     InvalidInput,
     Locked,
     NotFound,
+    StrataError,
     Unavailable,
     no_object,
 )
@@ -101,6 +103,8 @@ from strata.engine.storedir import (
     read_store_meta,
 )
 from strata.engine.tree import NodeCache, Trees
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MAX_OBJECT", "LocalStore", "StoreConfig", "init_store", "read_store_meta"]
 
@@ -1017,6 +1021,14 @@ class LocalStore(Store):
     def close(self) -> None:
         if self._journal.closed:
             return
+        if self._tier is not None and self._tier.failed is None:
+            # Its last pack goes to the bucket whole (the tier's flush below), so the
+            # next restore replays no log tail (Journal.seal_for_close).
+            try:
+                self._journal.seal_for_close()
+            except (StrataError, OSError):
+                log.warning("the active pack could not be sealed at close; the next "
+                            "restore replays its log tail", exc_info=True)
         self._indexer.stop()
         self._journal.close(self._indexer.flush)
         with contextlib.suppress(OSError):

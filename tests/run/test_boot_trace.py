@@ -114,7 +114,12 @@ def test_first_boot_records_and_a_cold_boot_prefetches_the_trace(senv: StepEnv, 
     assert events(r.out, "prefetch") == [{"event": "prefetch", "entries": len(trace)}]
     (done,) = events(r.out, "prefetched")
     assert done["entries"] == len(trace) and done["errors"] == [], done
-    assert int(done["bytes"]) > os.path.getsize(PYTHON)  # type: ignore[call-overload]
+    # Not more than the interpreter's size, as this once asked: a rehearsal counted
+    # 5.97 MB against its 6.83 MB. The step's own reads race the prefetch (a block the
+    # step fetched first is skipped uncounted), and the first boot's trace holds only
+    # the pages the kernel read. The bytes counted show the prefetcher did work; the
+    # cache below shows every traced block arrived.
+    assert int(done["bytes"]) > 0  # type: ignore[call-overload]
     # Every block of every traced range is in the new cache.
     store = senv.remote()
     cache = ContentCache(str(senv.root / "cache-2" / "strata" / "objects"), measure=False)

@@ -45,6 +45,7 @@ import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import blake3
@@ -278,15 +279,14 @@ class Checkpoint:
                 (self.tables["expired"], "expired")]
         with ThreadPoolExecutor(min(8, len(refs))) as pool:
             got = list(pool.map(lambda rk: read_table(rk[0], rk[1], get), refs))
-        rows = {ref: g for (ref, kind), g in zip(refs, got, strict=True) if kind == "parts"}
+        tables = len(self.part_tables)  # read first, then the packs tables, then expired
+        rows = dict(zip(self.part_tables, got[:tables], strict=True))
         self.packs = {}
         try:
-            for (_r, kind), g in zip(refs, got, strict=True):
-                if kind == "packs":
-                    some = _packs_of(g)
-                    if some.keys() & self.packs.keys():
-                        raise ValueError("a pack is in two packs tables")
-                    self.packs.update(some)
+            for some in map(_packs_of, got[tables:-1]):
+                if some.keys() & self.packs.keys():
+                    raise ValueError("a pack is in two packs tables")
+                self.packs.update(some)
             self.expired = _ids(bytes(got[-1]))
         except (TypeError, ValueError, IndexError) as exc:
             raise Corrupt(self.name, 0, f"a packs or expired table is malformed: {exc}"
@@ -326,12 +326,7 @@ def group_packs(packs: dict[int, tuple[str, int]], have: dict[bytes, TableRef],
     cut: dict[int, dict[int, tuple[str, int]]] = {}
     for n, where in packs.items():
         cut.setdefault(n // PACKS_PER_TABLE, {})[n] = where
-    out = []
-    for k in sorted(cut):
-        data = encode_table("packs", packs_rows(cut[k]))
-        digest = blake3.blake3(data).digest()
-        out.append(have.get(digest) or (put(k, data), digest))
-    return out
+    return [table_ref("packs", packs_rows(cut[k]), have, partial(put, k)) for k in sorted(cut)]
 
 
 def _parts_of(rows: Any) -> list[Part]:
@@ -357,10 +352,9 @@ def group_manifest(parts: list[Part], have: dict[bytes, TableRef],
         if len(run) <= INLINE_RUN_PARTS:
             out.extend(run)
             continue
-        for i in range(0, len(run), GROUP_PARTS):
-            data = encode_table("parts", [p.to_list() for p in run[i:i + GROUP_PARTS]])
-            digest = blake3.blake3(data).digest()
-            out.append(have.get(digest) or (put(run[0].run, i // GROUP_PARTS, data), digest))
+        out += [table_ref("parts", [p.to_list() for p in run[i:i + GROUP_PARTS]], have,
+                          partial(put, run[0].run, i // GROUP_PARTS))
+                for i in range(0, len(run), GROUP_PARTS)]
     return out
 
 
@@ -372,6 +366,18 @@ def _ids(raw: bytes) -> list[bytes]:
     if len(raw) % 32:
         raise ValueError("ids are not 32 bytes each")
     return [raw[i:i + 32] for i in range(0, len(raw), 32)]
+
+
+def table_ref(kind: str, rows: Any, have: dict[bytes, TableRef],
+              put: Callable[[bytes], str]) -> TableRef:
+    """The table object of `rows`, as (name, BLAKE3-256).
+
+    One `have` holds with these bytes (by hash) is named again; else `put`
+    stores the bytes and returns the new name.
+    """
+    data = encode_table(kind, rows)
+    digest = blake3.blake3(data).digest()
+    return have.get(digest) or (put(data), digest)
 
 
 def encode_table(kind: str, rows: Any) -> bytes:

@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import blake3
@@ -37,12 +38,12 @@ from strata.engine.checkpoint import (
     Part,
     PartReader,
     PartWriter,
-    encode_table,
     group_manifest,
     group_packs,
     merged,
     runs_of,
     size_level,
+    table_ref,
 )
 from strata.engine.errors import AlreadyExists, BucketUnavailable
 from strata.engine.index import Loc
@@ -373,12 +374,9 @@ class Checkpoints(TierState):
 
     def _table(self, kind: str, rows: Any, stamp: str) -> tuple[str, bytes]:
         """The table object holding `rows`: the last one if they did not change."""
-        data = encode_table(kind, rows)
-        digest = blake3.blake3(data).digest()
         have = self._tables_ref.get(kind)
-        if have is not None and have[1] == digest:
-            return have
-        return self._put_table(f"tables/{stamp}-{kind}", data), digest
+        return table_ref(kind, rows, {have[1]: have} if have else {},
+                         partial(self._put_table, f"tables/{stamp}-{kind}"))
 
     def _put_table(self, name: str, data: bytes) -> str:
         self._put_ours(name, data)

@@ -41,6 +41,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -285,6 +286,19 @@ class Publishers:
         for t in self.threads:
             t.join(90)
         return self.history
+
+
+def three_members(url: str, root: Path, env: dict[str, str], store: str = "s1"
+                  ) -> Iterator[Fleet]:
+    """A fleet of members a, b and c with one store, stopped when the caller is done."""
+    f = Fleet(url, root, env)
+    try:
+        f.records.add_store(store, "bucket")
+        for name in ("a", "b", "c"):
+            f.add(name)
+        yield f
+    finally:
+        f.close()
 
 
 def make_volume(fleet: Fleet, store: str, volume: str = "v") -> None:

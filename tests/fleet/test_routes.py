@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fleetutil import Fleet, make_volume
+from fleetutil import Fleet, make_volume, three_members
 
 from bucketutil import Moto
 from strata.engine.errors import Forbidden, StrataError
@@ -37,14 +37,7 @@ from strata_harness import STRATA
 
 @pytest.fixture
 def fleet(moto: Moto, fleet_url: str, tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(fleet_url, tmp_path, moto.env())
-    try:
-        f.records.add_store("s1", "bucket")
-        for name in ("a", "b", "c"):
-            f.add(name)
-        yield f
-    finally:
-        f.close()
+    yield from three_members(fleet_url, tmp_path, moto.env())
 
 
 def move(fleet: Fleet, store: str, to: str) -> None:

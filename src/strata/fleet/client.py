@@ -38,8 +38,51 @@ from strata.server.client import (
     read_events,
 )
 
+MAX_HEADERS = 100
 CONNECT_TIMEOUT = 5.0  # a stopped member is left after this (a SIGSTOPped host accepts)
 EVENTS_IDLE = 45.0     # an event stream silent this long (3 missed pings) is given up
+
+
+class _Tunnel(_Conn):
+    """A connection to a member, carried to the owner of `target`'s store if it can be.
+
+    `target` is `store/NAME` or `volume/NAME` (fleet/tunnel.py); None: a plain
+    connection to the member. Either way, requests on it are ordinary requests:
+    the member keeps a connection it cannot carry and answers them itself.
+    """
+
+    def __init__(self, kind: str, where: str, port: int, timeout: float | None,
+                 target: str | None, headers: dict[str, str]) -> None:
+        super().__init__(kind, where, port, timeout)
+        self.target = target
+        self.carried_to: str | None = None  # the owner member, if carried
+        self.kept_by: str | None = None     # the member, if it kept the connection
+        if target is not None:
+            try:
+                self._open(target, headers)
+            except BaseException:
+                self.close()
+                raise
+
+    def _open(self, target: str, headers: dict[str, str]) -> None:
+        lines = [f"CONNECT {target} HTTP/1.1", f"Host: {self.host}"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        status = self._line().split(None, 2)
+        if len(status) < 2 or not status[0].startswith(b"HTTP/1.") or status[1] != b"200":
+            raise BadResponse(f"the member refused a tunnel: {b' '.join(status)[:80]!r}")
+        for _ in range(MAX_HEADERS):
+            line = self._line()
+            if not line.strip():
+                return
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "x-strata-tunnel":
+                how, _, member = value.strip().partition(" ")
+                if how == "kept":
+                    self.kept_by = member
+                else:
+                    self.carried_to = how
+        raise BadResponse("too many header lines")
 
 
 class FleetStore(RemoteStore):
@@ -51,7 +94,7 @@ class FleetStore(RemoteStore):
     def __init__(self, members: Sequence[str], store: str | None = None, *,
                  token: str | None = None, bearer: str | None = None,
                  retry_for: float = 60.0, timeout: float = 10.0,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, tunnel: bool = True) -> None:
         if not members:
             raise InvalidInput("a fleet client needs at least one member address")
         self.members = [m.rstrip("/") for m in members]
@@ -70,19 +113,44 @@ class FleetStore(RemoteStore):
             # Tokens are a store's; the catalog is for those with the fleet's secret.
             raise InvalidInput("a token reaches the store it was made in: name it "
                                "(--fleet-store STORE or $STRATA_FLEET_STORE)")
+        # Ask each member to carry the connection to the store's owner (fleet/tunnel.py):
+        # a request then costs the member a copy of bytes, not a forward of its own.
+        self.tunnel = tunnel
         self._which = 0
         self._which_lock = threading.Lock()
         self.last = threading.local()  # the last answer's owner and epoch (for checkers)
 
-    def _conn(self) -> _Conn:
-        conn: _Conn | None = getattr(self._local, "conn", None)
+    def _conn(self, target: str | None = None) -> _Conn:
+        """This thread's connection; a new one if `target` (a tunnel's) is not its own."""
+        conn: _Tunnel | None = getattr(self._local, "conn", None)
+        if conn is not None and target is not None and conn.target != target:
+            self._drop_conn()
+            conn = None
         if conn is None:
             with self._which_lock:
                 url = self.members[self._which % len(self.members)]
             kind, where, port = parse_server(url)
-            conn = _Conn(kind, where, port, self.timeout)
+            conn = _Tunnel(kind, where, port, self.timeout, target,
+                           self._headers({}, None) if target is not None else {})
             self._local.conn = conn
         return conn
+
+    def _target(self, volume: str | None) -> str | None:
+        """The tunnel a request takes: its store's, else its volume's (None: any)."""
+        if not self.tunnel:
+            return None
+        if self.store is not None:
+            try:
+                return f"store/{check_volume(self.store)}"  # a store's name: a volume's rules
+            except InvalidInput:
+                return None
+        volume = volume or self.volume
+        if volume is None or not self.fleet_token:
+            return None  # a token holder names its store (the catalog is not its to ask)
+        try:
+            return f"volume/{check_volume(volume)}"
+        except InvalidInput:
+            return None  # the request itself will be refused
 
     def _next_member(self) -> None:
         self._drop_conn()
@@ -99,13 +167,14 @@ class FleetStore(RemoteStore):
                 self.volume = parts[3]  # named in the path: the member places it
             else:
                 volume = self.volume
+        target = self._target(volume)
         hdrs = self._headers({"Content-Type": ctype, **(headers or {})}, volume)
         deadline = time.monotonic() + self.retry_for
         delay = 0.02
         last = ""
         while True:
             try:
-                status, rheaders, data = self._conn().request(method, path, body, hdrs)
+                status, rheaders, data = self._conn(target).request(method, path, body, hdrs)
                 if rheaders.get("connection", "").lower() == "close":
                     self._drop_conn()
             except (OSError, BadResponse) as exc:  # refused, reset, timed out: next member
@@ -126,6 +195,12 @@ class FleetStore(RemoteStore):
                 time.sleep(min(max(wait, 0.01), 1.0, max(deadline - time.monotonic(), 0)))
                 continue
             self.last.owner = rheaders.get("x-strata-owner")
+            conn = getattr(self._local, "conn", None)
+            if conn is not None and conn.kept_by and self.last.owner \
+                    and self.last.owner != conn.kept_by:
+                # Kept by a member that forwards it now (the store had no owner when the
+                # connection opened): the next request opens a tunnel to the owner.
+                self._drop_conn()
             epoch = rheaders.get("x-strata-epoch")
             self.last.epoch = int(epoch) if epoch and epoch.isdigit() else None
             if status >= 400:

@@ -37,6 +37,7 @@ import logging
 import os
 import shutil
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ from aiohttp import web
 from strata.engine.errors import AlreadyExists, InvalidInput, StrataError, Unavailable
 from strata.engine.gc import PIN_LIFETIME, inherit_pins
 from strata.engine.local import LocalStore
+from strata.engine.names import check_volume
 from strata.fleet import tokens as fleet_tokens
 from strata.fleet import ui as fleet_ui
 from strata.fleet.forward import (
@@ -72,6 +74,7 @@ from strata.fleet.lease import (
 from strata.fleet.quickhop import QuickHops
 from strata.fleet.records import FleetRecords, Lease, rendezvous, store_url
 from strata.fleet.traffic import MovePolicy, Traffic
+from strata.fleet.tunnel import TUNNEL_PATH, Target, Tunnels
 from strata.server.bodies import MAX_BODY
 from strata.server.client import default_socket
 
@@ -185,6 +188,10 @@ class Member:
         self.traffic = Traffic(move or MovePolicy())
         self.moving: set[str] = set()            # stores being handed off by the policy
         self.moves: list[dict[str, Any]] = []    # for status: the policy's handoffs
+        # Connections other members carry to this one (fleet/tunnel.py): each request
+        # on one entered the fleet at that member.
+        self._tunneled: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self.tunnels: Tunnels | None = None
 
     # -- running ----------------------------------------------------------------------
 
@@ -200,12 +207,18 @@ class Member:
         app.router.add_post("/fleet/v1/leave", self._leave)
         app.router.add_post("/fleet/v1/claim", self._claim_now)
         app.router.add_get("/fleet/v1/volumes/{volume}", self.front.where)
+        app.router.add_post(TUNNEL_PATH, self._tunnel_hello)
         fleet_ui.register(app, self)  # the fleet page (fleet/ui.py)
         app.router.add_route("*", "/{tail:.*}", self._route)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
-        await site.start()
+        # Every connection starts with the tunnels' protocol: a CONNECT is carried to
+        # the store's owner; anything else goes to the app as it came.
+        assert runner.server is not None
+        self.tunnels = tunnels = Tunnels(self.name, runner.server, self._tunnel_target,
+                                         lambda: self._mark_for(self.name), FORWARD_TIMEOUT)
+        listener = await loop.create_server(tunnels.protocol, self.host, self.port,
+                                            reuse_address=True)
         await self._heartbeat_once()
         self._tasks = [asyncio.ensure_future(self._heartbeats()),
                        asyncio.ensure_future(self._scans())]
@@ -217,6 +230,8 @@ class Member:
                 t.cancel()
             for owned in list(self.owned.values()):
                 await self._release(owned)
+            listener.close()
+            tunnels.close()
             await runner.cleanup()
             await self._session.close()
             self._hops.close()
@@ -283,6 +298,8 @@ class Member:
                     loop.run_in_executor(self._pool, self.records.lease, s) for s in self.catalog])
                 for store, lease in zip(list(self.catalog), leases, strict=True):
                     self._observe_lease(store, lease)
+                if self.tunnels is not None:
+                    self.tunnels.sweep()  # carried connections to owners no longer
                 for owned in list(self.owned.values()):
                     why = _stopped(owned.local) if owned.local is not None else None
                     if why is not None:
@@ -631,7 +648,9 @@ class Member:
                 "owned": self._info()["stores"], "claims": self.claims[-20:],
                 "claiming": sorted(self.claiming),
                 "last_scan_age": round(now - self.scanned_at, 3),
-                "traffic": self.traffic.report(), "moves": self.moves[-20:]}
+                "traffic": self.traffic.report(), "moves": self.moves[-20:],
+                "tunnels": None if self.tunnels is None else {
+                    "opened": self.tunnels.opened, "open": len(self.tunnels.carried) // 2}}
 
     async def _move(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
@@ -687,6 +706,9 @@ class Member:
                                       f"{MAX_BODY} bytes"}, status=413)
         store = request.headers.get("X-Strata-Store")
         origin = self._forwarded_by(request)
+        # Carried here by another member's tunnel: a client's request as any other, that
+        # entered the fleet there.
+        via = self._tunneled.get(request.transport) if self._tunneled else None
         if origin is None and secret:
             # From a client: the volume catalog places it (or answers it: create, list).
             placed = await self.front.route(request, store)
@@ -701,7 +723,7 @@ class Member:
         owned = self.owned.get(store)
         if owned is not None and owned.serving and owned.session is not None \
                 and owned.keeper.valid():
-            self.traffic.note(store, origin or self.name)
+            self.traffic.note(store, origin or via or self.name)
             out = await self._to_store(request, owned, secret)
         elif origin is not None:
             # Sent here by a member whose cache is stale: never forward twice.
@@ -710,11 +732,65 @@ class Member:
             lease = self.route(store)
             if lease is None or lease.state != "serving" or lease.holder == self.name:
                 return self._retry(f"store {store} has no owner right now")
-            self.traffic.note(store, self.name)
+            self.traffic.note(store, via or self.name)
             out = await self._to_member(request, store, lease, secret)
         if not out.prepared:
             out.headers["X-Strata-Store"] = store
         return out
+
+    async def _tunnel_hello(self, request: web.Request) -> web.Response:
+        """`POST /fleet/v1/tunnel`: a member opens a connection it will carry clients on.
+
+        Only a member (its forwarding mark verifies); what follows on the
+        connection is clients' requests, each checked as any client's.
+        """
+        origin = self._forwarded_by(request)
+        if origin is None or request.transport is None:
+            return self._forbidden()
+        self._tunneled[request.transport] = origin
+        return web.Response(status=200)
+
+    async def _tunnel_target(self, target: bytes, head: dict[bytes, bytes]) -> Target:
+        """Where a client's CONNECT goes (fleet/tunnel.py): its store's owner, or None.
+
+        None keeps the connection on this member's own server: the store is
+        owned here or has no owner now, the volume is not in the catalog, or
+        the caller may not ask (it then gets the usual 403, request by request).
+        Only a caller with the fleet's secret names a volume (the catalog's
+        answer would tell a token holder which volumes exist); a token holder
+        names its store, as on any request.
+        """
+        kind, _, name = target.decode("utf-8", "replace").partition("/")
+        given = head.get(b"x-strata-fleet-token", b"")
+        secret = hmac.compare_digest(given, self.token.encode())
+        try:
+            if kind == "volume" and secret:
+                placed = await self.front.lookup(check_volume(name))
+                store = placed.store if placed is not None else None
+            elif kind == "store" and (secret or (not given and head.get(
+                    b"authorization", b"").startswith(b"Bearer "))):
+                store = check_volume(name)  # a store's name follows a volume's rules
+            else:
+                return None
+        except StrataError:
+            return None
+        if store is None or store in self.owned:
+            return None
+        lease = self.route(store)
+        if lease is None or lease.state != "serving" or lease.holder == self.name:
+            return None
+        holder = lease.holder
+        host, _, port = lease.addr.removeprefix("http://").rpartition(":")
+        if not port.isdigit():
+            return None
+
+        def still_owner() -> bool:
+            now = self.route(store)
+            return now is not None and now.state == "serving" and now.holder == holder \
+                and store not in self.owned
+
+        self.traffic.note(store, self.name)
+        return host.strip("[]"), int(port), holder, still_owner
 
     def _mark_for(self, name: str) -> str:
         """What this member's forwards carry: its name, signed with the fleet's secret."""

@@ -7,7 +7,7 @@
 - planned move: `fleet move` to the next member while a client publishes;
   the gap is the longest wait between two acknowledgements around the move.
 - routing: the same small read (list branches), and a 4 KiB publish, through
-  the owner and through another member, interleaved; p50 of each and the
+  the owner and through another member, interleaved, on a default-sync store; p50 of each and the
   difference. Through the other member twice: with the tunnel `FleetStore`
   asks for (the member carries the connection to the owner, fleet/tunnel.py),
   and with every request forwarded (no tunnel).
@@ -147,15 +147,18 @@ def bench_moves(fleet: Fleet, moves: int) -> list[float]:
 def bench_routing(fleet: Fleet, n: int) -> dict[str, float]:
     """p50 of the same small read, and of a 4 KiB publish, through the owner and another.
 
+    On store `r`, in the default sync mode: a `--sync bucket` publish waits ~20 ms for
+    the bucket, whose swings would hide the hop.
+
     Three clients, in turn: one connected to the owner, one to another member that
     carries its connection to the owner (a tunnel, fleet/tunnel.py: how `FleetStore`
     connects), and one to that member without a tunnel (each request forwarded).
     """
-    owner = fleet.owner("s")
+    owner = fleet.owner("r", 60)
     other = _others(fleet, owner)[:1]
-    clients = {"owner": FleetStore([fleet.members[owner].addr], "s"),
-               "tunnel": FleetStore(other, "s"),
-               "forward": FleetStore(other, "s", tunnel=False)}
+    clients = {"owner": FleetStore([fleet.members[owner].addr], "r"),
+               "tunnel": FleetStore(other, "r"),
+               "forward": FleetStore(other, "r", tunnel=False)}
     reads: dict[str, list[float]] = {k: [] for k in clients}
     publishes: dict[str, list[float]] = {k: [] for k in clients}
     try:
@@ -372,10 +375,12 @@ def run(root: str, *, quick: bool = False, to_work: bool = True) -> list[dict[st
             rows += run_move_to_work(work, moto, quick)
             rows += run_ws_move(work, moto, quick)
         fleet.records.add_store("s", "bucket")
+        fleet.records.add_store("r")  # routing's (default sync)
         for name in ("a", "b", "c"):
             fleet.add(name)
         fleet.owner("s", 60)
         make_volume(fleet, "s")
+        make_volume(fleet, "r")
         r = bench_routing(fleet, 100 if quick else 500)
         for what, label in (("read", "small read"), ("publish", "4 KiB publish")):
             own, carried, forwarded = (r[f"{what}_{k}"] for k in ("owner", "tunnel", "forward"))

@@ -148,7 +148,9 @@ def bench_routing(fleet: Fleet, n: int) -> dict[str, float]:
     """p50 of the same small read, and of a 4 KiB publish, through the owner and another.
 
     On store `r`, in the default sync mode: a `--sync bucket` publish waits ~20 ms for
-    the bucket, whose swings would hide the hop.
+    the bucket, whose swings would hide the hop. Each client publishes into a volume
+    of its own, so each publish is the steady two requests (the branch's head, then
+    the publish), not a catch-up on what the others wrote.
 
     Three clients, in turn: one connected to the owner, one to another member that
     carries its connection to the owner (a tunnel, fleet/tunnel.py: how `FleetStore`
@@ -159,6 +161,9 @@ def bench_routing(fleet: Fleet, n: int) -> dict[str, float]:
     clients = {"owner": FleetStore([fleet.members[owner].addr], "r"),
                "tunnel": FleetStore(other, "r"),
                "forward": FleetStore(other, "r", tunnel=False)}
+    for what, remote in clients.items():  # each publishes into its own volume
+        if f"p-{what}" not in remote.list_volumes():
+            remote.create_volume(f"p-{what}")
     reads: dict[str, list[float]] = {k: [] for k in clients}
     publishes: dict[str, list[float]] = {k: [] for k in clients}
     try:
@@ -168,7 +173,7 @@ def bench_routing(fleet: Fleet, n: int) -> dict[str, float]:
                 remote.list_branches("v")
                 reads[what].append(time.perf_counter() - t)
                 if i % 3 == 0:
-                    publishes[what].append(_publish_4k(remote, i, "v"))
+                    publishes[what].append(_publish_4k(remote, i, f"p-{what}"))
         assert clients["tunnel"]._local.conn.carried_to == owner, "not carried"
     finally:
         for remote in clients.values():

@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +157,7 @@ class _Entry(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         self.timer = asyncio.get_running_loop().call_later(DECIDE_WITHIN, transport.close)
 
     def data_received(self, data: bytes) -> None:
@@ -231,8 +231,7 @@ class _Pipe(asyncio.Protocol):
         self._head = bytearray()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         peer = self.peer

@@ -25,6 +25,7 @@ import pytest
 from fleetutil import Fleet, make_volume
 from PIL import Image, ImageStat
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -60,8 +61,15 @@ def _wait(driver: WebDriver, cond: Any, timeout: float = 30) -> Any:
 
 
 def _cell(driver: WebDriver, store: str, cls: str) -> str:
-    found = driver.find_elements(By.CSS_SELECTOR, f'table.stores tr[data-store="{store}"] td.{cls}')
-    return str(found[0].text) if found else ""
+    """The cell's text; read again if the live page replaced the row meanwhile."""
+    for _ in range(20):
+        found = driver.find_elements(By.CSS_SELECTOR,
+                                     f'table.stores tr[data-store="{store}"] td.{cls}')
+        try:
+            return str(found[0].text) if found else ""
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"the row of {store} kept changing under the reader")
 
 
 def _status(addr: str, headers: dict[str, str]) -> int:

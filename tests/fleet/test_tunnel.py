@@ -43,6 +43,17 @@ def status(fleet: Fleet, name: str) -> dict[str, Any]:
         return dict(json.loads(resp.read()))
 
 
+def sees_serving(fleet: Fleet, member: str, store: str, owner: str) -> None:
+    """Wait until `member`'s cached lease names `owner` serving `store` (it carries then)."""
+    deadline = time.monotonic() + 30
+    while True:
+        lease = status(fleet, member)["leases"].get(store) or {}
+        if lease.get("holder") == owner and lease.get("state") == "serving":
+            return
+        assert time.monotonic() < deadline, lease
+        time.sleep(0.05)
+
+
 def raw(addr: str, *messages: bytes, wait: float = 2.0) -> list[bytes]:
     """Each message on one connection, and what came back after each (until quiet)."""
     host, _, port = addr.removeprefix("http://").rpartition(":")
@@ -70,6 +81,7 @@ def test_a_client_is_carried_to_the_owner_and_follows_a_move(fleet: Fleet) -> No
     owner = fleet.owner("s1")
     make_volume(fleet, "s1", "v")
     via = next(n for n in sorted(fleet.members) if n != owner)
+    sees_serving(fleet, via, "s1", owner)
     remote = FleetStore([fleet.members[via].addr], "s1", retry_for=30.0)
     try:
         first = publish(remote, "one.txt", b"1")
@@ -87,6 +99,7 @@ def test_a_client_is_carried_to_the_owner_and_follows_a_move(fleet: Fleet) -> No
         # The store moves: the tunnel is cut, and the next request reaches the new owner.
         to = next(n for n in sorted(fleet.members) if n not in (owner, via))
         move(fleet, "s1", to)
+        sees_serving(fleet, via, "s1", to)
         second = publish(remote, "two.txt", b"2")
         assert remote.last.owner == to
         assert remote._local.conn.carried_to == to
@@ -106,6 +119,7 @@ def test_a_member_keeps_what_it_owns_or_cannot_place(fleet: Fleet) -> None:
     mine = FleetStore([fleet.members[owner].addr], "s1", retry_for=30.0)
     # A volume not in the catalog yet: kept, and the create goes through the member.
     other = next(n for n in sorted(fleet.members) if n != owner)
+    sees_serving(fleet, other, "s1", owner)
     placed = FleetStore([fleet.members[other].addr], retry_for=30.0)
     try:
         publish(mine, "here.txt", b"here")
@@ -129,6 +143,7 @@ def test_a_connect_tells_a_caller_without_the_secret_nothing(fleet: Fleet) -> No
     owner = fleet.owner("s1")
     make_volume(fleet, "s1", "v")
     via = next(n for n in sorted(fleet.members) if n != owner)
+    sees_serving(fleet, via, "s1", owner)
     addr = fleet.members[via].addr
     kept = b"HTTP/1.1 200 Connection established\r\nX-Strata-Tunnel: kept " + via.encode() \
         + b"\r\n\r\n"
@@ -190,6 +205,7 @@ def test_a_carried_publish_is_one_publish_across_a_kill(fleet: Fleet) -> None:
     owner = fleet.owner("s1")
     make_volume(fleet, "s1", "v")
     via = next(n for n in sorted(fleet.members) if n != owner)
+    sees_serving(fleet, via, "s1", owner)
     remote = FleetStore([fleet.members[via].addr] + [m.addr for n, m in
                                                      sorted(fleet.members.items())
                                                      if n != via], "s1", retry_for=60.0)

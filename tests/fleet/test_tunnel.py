@@ -47,7 +47,10 @@ def sees_serving(fleet: Fleet, member: str, store: str, owner: str) -> None:
     """Wait until `member`'s cached lease names `owner` serving `store` (it carries then)."""
     deadline = time.monotonic() + 30
     while True:
-        lease = status(fleet, member)["leases"].get(store) or {}
+        try:
+            lease = status(fleet, member)["leases"].get(store) or {}
+        except OSError as exc:  # the member is still starting: not listening yet
+            lease = {"error": str(exc)}
         if lease.get("holder") == owner and lease.get("state") == "serving":
             return
         assert time.monotonic() < deadline, lease

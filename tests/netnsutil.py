@@ -6,21 +6,84 @@ process itself, to the bucket's namespace. Each link is its own /24, so
 cutting one host's link (`cut`) leaves the others talking. Files are shared
 (namespaces split the network only), so servers on every host are still
 reached over their unix sockets.
+
+A test run that is killed leaves its namespaces, links and routes behind,
+and a later run whose tag or addresses match would fail to set up.
+`claim_tag(prefix)` therefore records which process owns a tag
+(/run/strata-tests/netns/PREFIXTAG holds its pid) and first removes what
+dead owners, or runs from before the record existed, left behind.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+from pathlib import Path
+
+REGISTRY = Path("/run/strata-tests/netns")
+# Every namespace and root-namespace link the test helpers make is named
+# PREFIX + a four-digit tag + the rest: st (netnsutil), sf (fleet), sw (workspace).
+_NAMED = re.compile(r"^(st|sf|sw)(\d{4})")
 
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owner_alive(prefix_tag: str) -> bool:
+    try:
+        return _alive(int((REGISTRY / prefix_tag).read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+def sweep_leftovers() -> None:
+    """Delete namespaces and links whose owning test process is gone.
+
+    Routes through a deleted link go with it.
+    """
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True,
+                           text=True).stdout.split()
+    links = [line.split(":")[1].strip().split("@")[0] for line in subprocess.run(
+        ["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines()
+        if line.count(":") >= 2]
+    for name in [*names, *links]:
+        m = _NAMED.match(name)
+        if m is None or _owner_alive(m.group(0)):
+            continue
+        if name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        else:
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
+    if REGISTRY.is_dir():
+        for record in REGISTRY.iterdir():
+            if not _owner_alive(record.name):
+                record.unlink(missing_ok=True)
+
+
+def claim_tag(prefix: str) -> str:
+    """This process's tag for names starting with `prefix`, after a sweep."""
+    tag = f"{os.getpid() % 10000:04d}"
+    sweep_leftovers()
+    REGISTRY.mkdir(parents=True, exist_ok=True)
+    (REGISTRY / f"{prefix}{tag}").write_text(str(os.getpid()))
+    return tag
+
+
 class Hosts:
     def __init__(self, names: list[str]) -> None:
-        tag = f"{os.getpid() % 10000:04d}"
+        tag = claim_tag("st")
         self.bucket_ns = f"st{tag}bk"
         self.ns = {name: f"st{tag}{name}" for name in names}
         self._links: dict[str, tuple[str, str]] = {}  # host -> (its end, the bucket's end)

@@ -11,8 +11,10 @@ member, all through it. That makes each kind of cut one rule there:
 - `cut_clients(host)`: clients and other members cannot reach it, the
   bucket still can (iptables FORWARD).
 
-Addresses are 10.<N>.<10+i>.0/24 with N from the pid, so two runs at once
-(and the split-brain test's 10.213) do not collide.
+Addresses are 10.<N>.<10+i>.0/24 with N from the pid, moved on past any
+10.N route already here, so two runs at once (and the split-brain test's
+10.213) do not collide. Names are claimed, and a killed run's leftovers
+swept, by netnsutil.claim_tag.
 
 `BucketProxy` runs tests/fleet/bucketproxy.py in the bucket's namespace, in
 front of moto: the members' way to the bucket, which the test can make
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,15 +34,28 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from netnsutil import claim_tag
+
 
 def _run(*args: str) -> None:
     subprocess.run(list(args), check=True, capture_output=True)
 
 
+def _free_octet(first: int) -> int:
+    """The first N from `first` (wrapping in 100..199) with no 10.N route here."""
+    routes = subprocess.run(["ip", "route"], capture_output=True, text=True).stdout
+    used = {int(m) for m in re.findall(r"^10\.(\d+)\.", routes, re.MULTILINE)}
+    for step in range(100):
+        octet = 100 + (first - 100 + step) % 100
+        if octet not in used:
+            return octet
+    raise RuntimeError("no free 10.N/16 for the fleet's hosts")
+
+
 class FleetHosts:
     def __init__(self, names: list[str]) -> None:
-        tag = f"{os.getpid() % 10000:04d}"
-        self.octet = 100 + os.getpid() % 100
+        tag = claim_tag("sf")
+        self.octet = _free_octet(100 + os.getpid() % 100)
         self.bucket_ns = f"sf{tag}bk"
         self.ns = {name: f"sf{tag}{name}" for name in names}
         self.address: dict[str, str] = {}          # each host's own address

@@ -15,6 +15,8 @@ import signal
 import subprocess
 import time
 
+from netnsutil import claim_tag
+
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
@@ -22,7 +24,7 @@ def _ip(*args: str) -> None:
 
 class Host:
     def __init__(self, index: int, env: dict[str, str]) -> None:
-        tag = f"{os.getpid() % 10000:04d}"
+        tag = claim_tag("sw")
         self.ns = f"sw{tag}h{index}"
         self.link = f"sw{tag}h{index}"
         self.server_address = f"10.214.{index}.1"

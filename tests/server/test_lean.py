@@ -271,6 +271,20 @@ def test_prefetched_nodes_are_verified_and_read_without_a_round_trip(server: Ser
     rs.close()
 
 
+def test_a_clients_caches_stay_bounded_over_many_publishes(
+        server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every publish sends back its snapshot and root nodes: what is kept has a bound."""
+    from strata.server import client
+    monkeypatch.setattr(client, "PREFETCH_KEEP_BYTES", 4096)
+    rs = _lean_only(server)
+    rs.snapshot_cache_keep = 8
+    for i in range(40):
+        rs.publish([_one_file_changeset(rs, f"f{i}")])
+        assert len(rs._snap_cache) <= 9
+    assert rs._prefetch_bytes == sum(len(r) for r in rs._prefetch_raw.values()) <= 4096
+    rs.close()
+
+
 def test_connections_past_the_cap_fall_back_to_http(server: Server,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from strata.server import lean

@@ -306,3 +306,27 @@ def test_link_counts_follow_every_update(shared_store: LocalStore,
         assert linked == want
         assert sorted(p for p, _e in trees.link_group(root, i + 1)) == sorted(
             p for p, e in trees.walk(root) if e.kind == K_FILE and e.ino == i + 1)
+
+
+def test_the_node_cache_is_bounded_by_decoded_size_not_only_by_count() -> None:
+    """256 entries with inline data cost far more than one small entry: both count."""
+    from strata.engine.tree import NodeCache
+    cache = NodeCache(capacity=1000, max_bytes=2 << 20)
+    big = TreeNode(0, entries=tuple((name(i), fentry(i, 2000)) for i in range(MAX_FANOUT)))
+    raw = big.encode()
+    for i in range(100):
+        cache.put(i.to_bytes(32, "big"), big, len(raw))
+        assert cache.bytes <= 2 << 20
+    kept = [i for i in range(100) if cache.get(i.to_bytes(32, "big")) is not None]
+    assert kept == list(range(100 - len(kept), 100)) and 1 <= len(kept) < 10  # the newest
+    small = TreeNode(0, entries=((name(0), fentry(0)),))
+    for i in range(1000, 3000):
+        cache.put(i.to_bytes(32, "big"), small, len(small.encode()))
+    assert all(cache.get(i.to_bytes(32, "big")) is None for i in range(100))  # pushed out
+    kept_small = sum(cache.get(i.to_bytes(32, "big")) is not None for i in range(1000, 3000))
+    assert kept_small == 1000  # the count's bound, before the bytes' (~1.1 MiB of 2)
+    before = cache.bytes
+    cache.put((2999).to_bytes(32, "big"), small, len(small.encode()))  # a put again
+    assert cache.bytes == before  # counted once
+    cache.clear()
+    assert cache.bytes == 0 and cache.get((1000).to_bytes(32, "big")) is None

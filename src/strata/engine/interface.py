@@ -80,6 +80,7 @@ class Store(ABC):
 
     block_size: int
     node_cache: NodeCache
+    snapshot_cache_keep = 4096  # snapshot records kept; past it the cache starts again
 
     def protect_base(self, sid: str) -> None:  # noqa: B027 - optional: most stores need nothing
         """A transaction starts from snapshot `sid`: keep it from garbage collection.
@@ -218,7 +219,7 @@ class Store(ABC):
     def snapshot_cache_put(self, info: SnapshotInfo) -> None:
         """Keep a snapshot's record that this process made or verified."""
         cache: dict[str, SnapshotInfo] = self.__dict__.setdefault("_snap_cache", {})
-        if len(cache) > 4096:
+        if len(cache) > self.snapshot_cache_keep:
             cache.clear()
         cache[info.id] = info
 

@@ -45,30 +45,52 @@ class ObjectSource(Protocol):
     def get_object(self, oid: bytes) -> bytes: ...
 
 
-class NodeCache:
-    """A bounded LRU of decoded tree nodes; nodes are immutable, so sharing is safe."""
+# What a decoded node costs beyond its encoded bytes: each entry (or child) is a
+# tuple, an Entry and their ints, ~330 bytes measured on CPython 3.11.
+NODE_ITEM_COST = 330
+NODE_COST = 400
+NODE_CACHE_BYTES = 32 << 20
 
-    def __init__(self, capacity: int = 20000) -> None:
-        self._d: OrderedDict[bytes, TreeNode] = OrderedDict()
+
+class NodeCache:
+    """A bounded LRU of decoded tree nodes; nodes are immutable, so sharing is safe.
+
+    Bounded by count and by the nodes' estimated decoded size (`max_bytes`):
+    a node ranges from one small entry to 256 entries with inline data, so a
+    count alone would let the same cache hold 1 MiB or several GiB.
+    """
+
+    def __init__(self, capacity: int = 20000, max_bytes: int = NODE_CACHE_BYTES) -> None:
+        self._d: OrderedDict[bytes, tuple[TreeNode, int]] = OrderedDict()
         self._cap = capacity
+        self._max_bytes = max_bytes
+        self.bytes = 0
         self._lock = threading.Lock()
 
     def get(self, oid: bytes) -> TreeNode | None:
         with self._lock:
-            node = self._d.get(oid)
-            if node is not None:
-                self._d.move_to_end(oid)
-            return node
+            got = self._d.get(oid)
+            if got is None:
+                return None
+            self._d.move_to_end(oid)
+            return got[0]
 
     def clear(self) -> None:
         with self._lock:
             self._d.clear()
+            self.bytes = 0
 
-    def put(self, oid: bytes, node: TreeNode) -> None:
+    def put(self, oid: bytes, node: TreeNode, encoded: int) -> None:
+        """Keep `node`, whose encoding is `encoded` bytes long."""
+        cost = NODE_COST + encoded + NODE_ITEM_COST * (len(node.entries) + len(node.children))
         with self._lock:
-            self._d[oid] = node
-            if len(self._d) > self._cap:
-                self._d.popitem(last=False)
+            old = self._d.pop(oid, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self._d[oid] = (node, cost)
+            self.bytes += cost
+            while len(self._d) > self._cap or self.bytes > self._max_bytes and len(self._d) > 1:
+                self.bytes -= self._d.popitem(last=False)[1][1]
 
 
 def _is_boundary(name: bytes, level: int) -> bool:
@@ -117,7 +139,7 @@ class Trees:
                 node = TreeNode.decode(raw)
             except (ValueError, TypeError, KeyError, IndexError) as exc:
                 raise NotFound(f"object {oid.hex()} is not a tree node: {exc}") from exc
-            self.cache.put(oid, node)
+            self.cache.put(oid, node, len(raw))
         return node
 
     def _store(self, node: TreeNode) -> bytes:
@@ -125,7 +147,7 @@ class Trees:
         oid = object_id(TREE, raw)
         if oid not in self.new:
             self.new[oid] = raw
-            self.cache.put(oid, node)
+            self.cache.put(oid, node, len(raw))
         return oid
 
     # -- reading -------------------------------------------------------------

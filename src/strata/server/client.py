@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 
 MAX_HEADER_LINE = 65536
 MAX_HEADERS = 100
-PREFETCH_KEEP = 1024  # prefetched tree nodes kept raw until read (oldest dropped first)
+# Prefetched tree nodes kept raw until read, oldest dropped first past either bound.
+PREFETCH_KEEP = 1024
+PREFETCH_KEEP_BYTES = 8 << 20
 
 
 LONG_ADMIN = frozenset({"fsck", "gc"})  # admin calls that may take minutes on a large store
@@ -284,6 +286,7 @@ class RemoteStore(Store):
         self.node_cache = NodeCache()
         self._snap_cache: dict[str, SnapshotInfo] = {}
         self._prefetch_raw: dict[bytes, bytes] = {}  # tree nodes a publish sent back
+        self._prefetch_bytes = 0  # their total length
         self._prefetch_lock = threading.Lock()
         self._block_size: int | None = None
         # Object reads and publishes take the lean stream when the server offers one.
@@ -415,6 +418,8 @@ class RemoteStore(Store):
     def get_object(self, oid: bytes) -> bytes:
         with self._prefetch_lock:
             raw = self._prefetch_raw.pop(oid, None)
+            if raw is not None:
+                self._prefetch_bytes -= len(raw)
         if raw is not None:
             return raw  # verified when it arrived
         got = self._lean_call("get", oid)
@@ -597,12 +602,16 @@ class RemoteStore(Store):
         from strata.engine.objects import SNAPSHOT, TREE, Snapshot, object_id
         oid = bytes.fromhex(oid_hex)
         if object_id(SNAPSHOT, raw) == oid:
-            self._snap_cache[oid_hex] = SnapshotInfo.of(oid_hex, Snapshot.decode(raw))
+            self.snapshot_cache_put(SnapshotInfo.of(oid_hex, Snapshot.decode(raw)))
         elif object_id(TREE, raw) == oid:
             with self._prefetch_lock:
+                old = self._prefetch_raw.pop(oid, None)
+                self._prefetch_bytes += len(raw) - (len(old) if old is not None else 0)
                 self._prefetch_raw[oid] = raw
-                while len(self._prefetch_raw) > PREFETCH_KEEP:
-                    del self._prefetch_raw[next(iter(self._prefetch_raw))]
+                while len(self._prefetch_raw) > PREFETCH_KEEP \
+                        or self._prefetch_bytes > PREFETCH_KEEP_BYTES:
+                    self._prefetch_bytes -= len(self._prefetch_raw.pop(
+                        next(iter(self._prefetch_raw))))
 
     def whoami(self) -> dict[str, Any]:
         """The caller's scope: owner, volume, branch, writable."""

@@ -297,7 +297,7 @@ class LeanServer:
                         node = TreeNode.decode(raw)
                     except (ValueError, TypeError, KeyError, IndexError):
                         raise InvalidInput(f"{node_id.hex()} is not a tree node") from None
-                    cache.put(node_id, node)
+                    cache.put(node_id, node, len(raw))
                 if node.level == 0:
                     e = dict(node.entries).get(name)
                     cur = e.ref if e is not None and e.kind == K_DIR else None

@@ -38,7 +38,6 @@ from strata.server.client import (
     read_events,
 )
 
-MAX_HEADERS = 100
 CONNECT_TIMEOUT = 5.0  # a stopped member is left after this (a SIGSTOPped host accepts)
 EVENTS_IDLE = 45.0     # an event stream silent this long (3 missed pings) is given up
 
@@ -68,21 +67,14 @@ class _Tunnel(_Conn):
         lines = [f"CONNECT {target} HTTP/1.1", f"Host: {self.host}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-        status = self._line().split(None, 2)
-        if len(status) < 2 or not status[0].startswith(b"HTTP/1.") or status[1] != b"200":
-            raise BadResponse(f"the member refused a tunnel: {b' '.join(status)[:80]!r}")
-        for _ in range(MAX_HEADERS):
-            line = self._line()
-            if not line.strip():
-                return
-            name, _, value = line.decode("latin-1").partition(":")
-            if name.strip().lower() == "x-strata-tunnel":
-                how, _, member = value.strip().partition(" ")
-                if how == "kept":
-                    self.kept_by = member
-                else:
-                    self.carried_to = how
-        raise BadResponse("too many header lines")
+        status, headers_back = self._head()
+        if status != 200:
+            raise BadResponse(f"the member refused a tunnel ({status})")
+        how, _, member = headers_back.get("x-strata-tunnel", "").partition(" ")
+        if how == "kept":
+            self.kept_by = member
+        elif how:
+            self.carried_to = how
 
 
 class FleetStore(RemoteStore):

@@ -38,6 +38,7 @@ import os
 import shutil
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -779,18 +780,24 @@ class Member:
         lease = self.route(store)
         if lease is None or lease.state != "serving" or lease.holder == self.name:
             return None
-        holder = lease.holder
         host, _, port = lease.addr.removeprefix("http://").rpartition(":")
         if not port.isdigit():
             return None
+        self.traffic.note(store, self.name)
+        return host.strip("[]"), int(port), lease.holder, \
+            self._still_serving(store, lease.holder, unowned=True)
 
-        def still_owner() -> bool:
+    def _still_serving(self, store: str, holder: str, *, unowned: bool = False
+                       ) -> Callable[[], bool]:
+        """A check: does this member's view of `store`'s lease still name `holder`?
+
+        Serving, and with `unowned`, not come to be owned by this member since.
+        """
+        def still() -> bool:
             now = self.route(store)
             return now is not None and now.state == "serving" and now.holder == holder \
-                and store not in self.owned
-
-        self.traffic.note(store, self.name)
-        return host.strip("[]"), int(port), holder, still_owner
+                and not (unowned and store in self.owned)
+        return still
 
     def _mark_for(self, name: str) -> str:
         """What this member's forwards carry: its name, signed with the fleet's secret."""
@@ -894,11 +901,7 @@ class Member:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=FORWARD_TIMEOUT,
                                         sock_read=None if stream else FORWARD_TIMEOUT)
         holder = lease.holder
-
-        def still_owner() -> bool:
-            now = self.route(store)
-            return now is not None and now.state == "serving" and now.holder == holder
-
+        still_owner = self._still_serving(store, holder)
         body = await request_body(request, whole=secret)
         try:
             if not stream and (body is None or isinstance(body, bytes)):

@@ -93,22 +93,7 @@ class _Conn:
             self.sock.sendall(head)
             if body:
                 self.sock.sendall(body)
-        status_line = self._line()
-        parts = status_line.split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise BadResponse(f"bad status line {status_line[:80]!r}")
-        status = int(parts[1])
-        rheaders: dict[str, str] = {}
-        for _ in range(MAX_HEADERS):
-            line = self._line()
-            if not line.strip():
-                break
-            name, sep, value = line.decode("latin-1").partition(":")
-            if not sep:
-                raise BadResponse(f"bad header line {line[:80]!r}")
-            rheaders[name.strip().lower()] = value.strip()
-        else:
-            raise BadResponse("too many header lines")
+        status, rheaders = self._head()
         if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
             data = b""
         elif rheaders.get("transfer-encoding", "").lower() == "chunked":
@@ -123,6 +108,23 @@ class _Conn:
             data = self.rfile.read()
             rheaders["connection"] = "close"
         return status, rheaders, data
+
+    def _head(self) -> tuple[int, dict[str, str]]:
+        """An answer's status and headers (names lower-cased)."""
+        status_line = self._line()
+        parts = status_line.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise BadResponse(f"bad status line {status_line[:80]!r}")
+        headers: dict[str, str] = {}
+        for _ in range(MAX_HEADERS):
+            line = self._line()
+            if not line.strip():
+                return int(parts[1]), headers
+            name, sep, value = line.decode("latin-1").partition(":")
+            if not sep:
+                raise BadResponse(f"bad header line {line[:80]!r}")
+            headers[name.strip().lower()] = value.strip()
+        raise BadResponse("too many header lines")
 
     def _line(self) -> bytes:
         line = self.rfile.readline(MAX_HEADER_LINE + 1)

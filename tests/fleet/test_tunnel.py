@@ -29,11 +29,24 @@ from test_routes import move, publish, read
 from bucketutil import Moto
 from strata.engine.txn import Transaction
 from strata.fleet.client import FleetStore
+from strata.fleet.splice import Splice
 
 
-@pytest.fixture
-def fleet(moto: Moto, fleet_url: str, tmp_path: Path) -> Iterator[Fleet]:
-    yield from three_members(fleet_url, tmp_path, moto.env())
+def kernel_splices() -> bool:
+    """Whether members here may join a tunnel's sockets in the kernel (fleet/splice.py)."""
+    splice = Splice.create()
+    if splice is None:
+        return False
+    splice.close()
+    return True
+
+
+@pytest.fixture(params=["kernel", "python"])
+def fleet(request: pytest.FixtureRequest, moto: Moto, fleet_url: str,
+          tmp_path: Path) -> Iterator[Fleet]:
+    """Three members whose tunnels the kernel carries where it can, or that copy in Python."""
+    env = {**moto.env(), "STRATA_FLEET_SPLICE": "1" if request.param == "kernel" else "0"}
+    yield from three_members(fleet_url, tmp_path, env)
 
 
 def status(fleet: Fleet, name: str) -> dict[str, Any]:
@@ -98,7 +111,11 @@ def test_a_client_is_carried_to_the_owner_and_follows_a_move(fleet: Fleet) -> No
         # carrying member read none of them (it counts the tunnel once).
         seen = status(fleet, owner)["traffic"].get("s1", {})
         assert seen.get(via, 0) >= 30, seen
-        assert status(fleet, via)["tunnels"]["open"] >= 1
+        tunnels = status(fleet, via)["tunnels"]
+        assert tunnels["open"] >= 1
+        # Joined in the kernel where it can be: the bytes above never woke `via`.
+        kernel = fleet.env.get("STRATA_FLEET_SPLICE") == "1" and kernel_splices()
+        assert (tunnels["spliced"] >= 1) == kernel, tunnels
         # The store moves: the tunnel is cut, and the next request reaches the new owner.
         to = next(n for n in sorted(fleet.members) if n not in (owner, via))
         move(fleet, "s1", to)

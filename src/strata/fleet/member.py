@@ -651,7 +651,8 @@ class Member:
                 "last_scan_age": round(now - self.scanned_at, 3),
                 "traffic": self.traffic.report(), "moves": self.moves[-20:],
                 "tunnels": None if self.tunnels is None else {
-                    "opened": self.tunnels.opened, "open": len(self.tunnels.carried) // 2}}
+                    "opened": self.tunnels.opened, "open": len(self.tunnels.carried) // 2,
+                    "spliced": self.tunnels.spliced}}
 
     async def _move(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
@@ -785,7 +786,7 @@ class Member:
             return None
         self.traffic.note(store, self.name)
         return host.strip("[]"), int(port), lease.holder, \
-            self._still_serving(store, lease.holder, unowned=True)
+            self._still_serving(store, lease.holder, unowned=True), secret
 
     def _still_serving(self, store: str, holder: str, *, unowned: bool = False
                        ) -> Callable[[], bool]:

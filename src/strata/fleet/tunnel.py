@@ -27,15 +27,19 @@ and the member answers `200` and then either
   `CONNECT` never answers differently for a store or volume that exists and
   one that does not, to a caller without the fleet's secret.
 
+Where the kernel allows it, the two sockets of a carried connection are
+joined by a BPF sockmap (fleet/splice.py): the kernel moves the bytes and
+the member is not woken per request; elsewhere the member copies them.
+
 A carried connection is cut (both ends closed) when the member's view of the
-store's lease stops naming the same owner serving it: checked each time the
-client sends bytes, so a request never goes to a member that no longer owns
-the store, as far as this member knows, and after each read of the leases,
-so a client waiting on an answer from an owner that lost the store hears so
-then. A cut request never got an answer;
-the client sends it again (a publish keeps its txid), through the next
-member, which opens a new tunnel to the new owner. The owner still checks
-ownership per request, as for a forward.
+store's lease stops naming the same owner serving it: checked after each
+read of the leases (5 times a second), so a client waiting on an answer from
+an owner that lost the store hears so then, and, when the member copies
+the bytes itself, each time the client sends some. A request sent before
+the cut reaches the old owner, which handles it as any request for a store
+it does not own: forwarded to the owner it knows, or answered 503. A cut
+request never got an answer; the client sends it again (a publish keeps its
+txid), through the next member, which opens a new tunnel to the new owner.
 
 Which bytes go where is all this module decides. It reads only the `CONNECT`
 head and the owner's answer to its own `POST`; it never reads a client's
@@ -48,7 +52,9 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import cast
+from typing import Any, cast
+
+from strata.fleet.splice import Splice
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +63,13 @@ MAX_HEAD = 16 * 1024        # a CONNECT head (and the owner's answer to the open
 DECIDE_WITHIN = 30.0        # a connection that has sent no whole first head by then is closed
 PREFIX = b"CONNECT "
 OK = b"HTTP/1.1 200 Connection established\r\n"
+# A joined tunnel whose bytes wait in the member's kernel past this (an end not
+# reading) is cut at the next sweep: the kernel queues them without a bound.
+SPLICE_HOLD = 16 << 20
 
-# Where a tunnel goes: (host, port, the owner's name, alive) or None (kept here).
-Target = tuple[str, int, str, Callable[[], bool]] | None
+# Where a tunnel goes: (host, port, the owner's name, alive, whether the caller
+# holds the fleet's secret and so may be carried by the kernel), or None (kept here).
+Target = tuple[str, int, str, Callable[[], bool], bool] | None
 Resolve = Callable[[bytes, dict[bytes, bytes]], Awaitable[Target]]
 
 
@@ -75,6 +85,7 @@ class Tunnels:
         self.connect_timeout = connect_timeout
         self.carried: set[_Pipe] = set()
         self.opened = 0             # tunnels carried since start (for status and tests)
+        self.splice = Splice.create()  # None: the member copies carried bytes itself
 
     def protocol(self) -> asyncio.Protocol:
         return _Entry(self)
@@ -82,6 +93,14 @@ class Tunnels:
     def close(self) -> None:
         for pipe in list(self.carried):
             pipe.close()
+        if self.splice is not None:
+            self.splice.close()
+            self.splice = None
+
+    @property
+    def spliced(self) -> int:
+        """Tunnels the kernel carried since start."""
+        return 0 if self.splice is None else self.splice.joined
 
     def sweep(self) -> None:
         """Cut every carried connection whose owner is no longer the owner.
@@ -92,6 +111,14 @@ class Tunnels:
         for pipe in list(self.carried):
             if pipe.alive is not None and not pipe.alive():
                 pipe.close()
+            elif pipe.joint is not None and pipe.peer is not None and self.splice is not None \
+                    and pipe.transport is not None and pipe.peer.transport is not None:
+                held = self.splice.held(pipe.transport.get_extra_info("socket"),
+                                        pipe.peer.transport.get_extra_info("socket"))
+                if held > SPLICE_HOLD:
+                    log.info("tunnel cut: the kernel held %d bytes for an end that "
+                             "does not read", held)
+                    pipe.close()
 
     async def carry(self, entry: _Entry, target: bytes, head: dict[bytes, bytes]) -> None:
         """Answer the CONNECT: carry the connection to the owner, or keep it here."""
@@ -123,6 +150,12 @@ class Tunnels:
         self.opened += 1
         if rest:
             down.data_received(rest)
+        elif self.splice is not None and where[4] and up.transport is not None:
+            # Both ends idle: the client waits for its 200, the owner answered.
+            joined = self.splice.join(t.get_extra_info("socket"),
+                                      up.transport.get_extra_info("socket"))
+            if joined is not None:
+                down.joint = up.joint = [joined]
         t.resume_reading()
 
     async def _open(self, host: str, port: int) -> _Pipe:
@@ -229,6 +262,8 @@ class _Pipe(asyncio.Protocol):
         self.hello: asyncio.Future[tuple[int, int]] | None = \
             asyncio.get_running_loop().create_future() if alive is None else None
         self._head = bytearray()
+        # Shared by both ends once the kernel carries their bytes: what to part.
+        self.joint: list[Any] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -286,6 +321,10 @@ class _Pipe(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.hello is not None and not self.hello.done():
             self.hello.set_exception(ConnectionError("the owner closed the tunnel"))
+        if self.joint is not None and self.joint[0] is not None:
+            if self.tunnels.splice is not None:
+                self.tunnels.splice.part(self.joint[0])
+            self.joint[0] = None
         self.transport = None
         self.tunnels.carried.discard(self)
         if self.peer is not None and self.peer.transport is not None:

@@ -242,3 +242,60 @@ def test_a_carried_publish_is_one_publish_across_a_kill(fleet: Fleet) -> None:
         assert log.count(after) == 1 and len(log) == len(set(log))
     finally:
         remote.close()
+
+
+def test_an_owner_that_stops_reading_holds_the_carrying_member_to_a_bound(
+        fleet: Fleet) -> None:
+    """A client streams an upload to an owner that stopped (SIGSTOP) under a tunnel.
+
+    Copying in Python, the carrying member stops reading the client once the
+    owner's side is full, so the client's send stalls at the sockets' buffers
+    (until the stopped owner's lease runs out and cuts it). Joined in the kernel,
+    which queues without a bound of its own, the member cuts the tunnel
+    within 10 ms of more than 16 MiB waiting (tunnel.SPLICE_HOLD), well
+    before the stopped owner's lease could run out. What the kernel took by
+    then is printed: loopback fills the queue at over 1 GB/s.
+    """
+    owner = fleet.owner("s1")
+    via = next(n for n in sorted(fleet.members) if n != owner)
+    sees_serving(fleet, via, "s1", owner)
+    kernel = fleet.env.get("STRATA_FLEET_SPLICE") == "1" and kernel_splices()
+    host, _, port = fleet.members[via].addr.removeprefix("http://").rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"CONNECT store/s1 HTTP/1.1\r\nX-Strata-Fleet-Token: "
+                  + os.environ["STRATA_FLEET_TOKEN"].encode() + b"\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += s.recv(4096)
+        assert head.startswith(b"HTTP/1.1 200 ") and \
+            f"X-Strata-Tunnel: {owner}\r\n".encode() in head, head
+        # An upload the owner takes (the largest body it reads), then stops reading.
+        s.sendall(b"POST /v1/objects HTTP/1.1\r\nHost: x\r\nContent-Length: 134217728\r\n"
+                  b"Content-Type: application/octet-stream\r\nX-Strata-Fleet-Token: "
+                  + os.environ["STRATA_FLEET_TOKEN"].encode() + b"\r\n\r\n")
+        fleet.pause(owner)
+        sent, outcome, t0 = 0, "", time.monotonic()
+        try:
+            s.settimeout(3)
+            chunk = b"\0" * 65536
+            try:
+                while time.monotonic() - t0 < 20 and sent < 4 << 30:
+                    sent += s.send(chunk)
+            except TimeoutError:
+                outcome = "blocked"
+            except OSError:
+                outcome = "cut"
+        finally:
+            took = time.monotonic() - t0
+            fleet.resume(owner)
+    member_log = (fleet.members[via].dir / "member.log").read_text()
+    if kernel:
+        print(f"the kernel took {sent >> 20} MiB before the cut, in {took:.3f} s")
+        assert outcome == "cut" and 16 << 20 < sent < 1 << 30 and took < 5, \
+            (outcome, sent, took)
+        assert "tunnel cut: the kernel held" in member_log, fleet.logs()
+    else:
+        # The client stalls at the sockets' own buffers (then the stopped owner's
+        # lease runs out and the tunnel is cut for that, or the send times out).
+        assert outcome in ("blocked", "cut") and sent < 64 << 20, (outcome, sent)
+        assert "tunnel cut: the kernel held" not in member_log

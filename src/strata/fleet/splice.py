@@ -26,9 +26,8 @@ a stalled owner under an upload) would let the member's kernel take all the
 other end sends. So only callers with the fleet's secret are joined (a
 bearer token's holder, a sandbox, is copied in Python, which stops reading
 from one end while the other's buffer is full), and the member cuts a joined
-tunnel that holds more than `tunnel.SPLICE_HOLD` (16 MiB), checking every
-`tunnel.HOLD_EVERY` (10 ms) while any is joined (`held`, from each socket's
-TCP_INFO byte counters).
+tunnel that holds more than `tunnel.SPLICE_HOLD` (16 MiB) at a sweep
+(`held`, from each socket's TCP_INFO byte counters).
 
 A pair is joined while neither end has anything in flight (the client is
 waiting for its `200`, the owner has answered the tunnel's POST): the

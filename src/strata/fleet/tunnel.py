@@ -64,10 +64,8 @@ DECIDE_WITHIN = 30.0        # a connection that has sent no whole first head by 
 PREFIX = b"CONNECT "
 OK = b"HTTP/1.1 200 Connection established\r\n"
 # A joined tunnel whose bytes wait in the member's kernel past this (an end not
-# reading) is cut: the kernel queues them without a bound. Checked every HOLD_EVERY
-# seconds while any tunnel is joined (two getsockopt calls a tunnel).
+# reading) is cut at the next sweep: the kernel queues them without a bound.
 SPLICE_HOLD = 16 << 20
-HOLD_EVERY = 0.01
 
 # Where a tunnel goes: (host, port, the owner's name, alive, whether the caller
 # holds the fleet's secret and so may be carried by the kernel), or None (kept here).
@@ -88,7 +86,6 @@ class Tunnels:
         self.carried: set[_Pipe] = set()
         self.opened = 0             # tunnels carried since start (for status and tests)
         self.splice = Splice.create()  # None: the member copies carried bytes itself
-        self._hold_timer: asyncio.TimerHandle | None = None
 
     def protocol(self) -> asyncio.Protocol:
         return _Entry(self)
@@ -96,9 +93,6 @@ class Tunnels:
     def close(self) -> None:
         for pipe in list(self.carried):
             pipe.close()
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
-            self._hold_timer = None
         if self.splice is not None:
             self.splice.close()
             self.splice = None
@@ -117,32 +111,14 @@ class Tunnels:
         for pipe in list(self.carried):
             if pipe.alive is not None and not pipe.alive():
                 pipe.close()
-
-    def _watch_holds(self) -> None:
-        """Cut each joined tunnel whose sockets took in SPLICE_HOLD more than they sent on.
-
-        Every HOLD_EVERY while any is joined: the kernel's queue between
-        them has no bound of its own, and loopback fills it at over 1 GB/s.
-        """
-        self._hold_timer = None
-        joined = False
-        for pipe in list(self.carried):
-            if pipe.joint is None or pipe.alive is None or pipe.peer is None \
-                    or self.splice is None:
-                continue
-            down, up = pipe.transport, pipe.peer.transport
-            if down is None or up is None:
-                continue
-            held = self.splice.held(down.get_extra_info("socket"), up.get_extra_info("socket"))
-            if held > SPLICE_HOLD:
-                log.info("tunnel cut: the kernel held %d bytes for an end that does not "
-                         "read", held)
-                pipe.close()
-            else:
-                joined = True
-        if joined:
-            self._hold_timer = asyncio.get_running_loop().call_later(HOLD_EVERY,
-                                                                     self._watch_holds)
+            elif pipe.joint is not None and pipe.peer is not None and self.splice is not None \
+                    and pipe.transport is not None and pipe.peer.transport is not None:
+                held = self.splice.held(pipe.transport.get_extra_info("socket"),
+                                        pipe.peer.transport.get_extra_info("socket"))
+                if held > SPLICE_HOLD:
+                    log.info("tunnel cut: the kernel held %d bytes for an end that "
+                             "does not read", held)
+                    pipe.close()
 
     async def carry(self, entry: _Entry, target: bytes, head: dict[bytes, bytes]) -> None:
         """Answer the CONNECT: carry the connection to the owner, or keep it here."""
@@ -180,9 +156,6 @@ class Tunnels:
                                       up.transport.get_extra_info("socket"))
             if joined is not None:
                 down.joint = up.joint = [joined]
-                if self._hold_timer is None:
-                    self._hold_timer = asyncio.get_running_loop().call_later(
-                        HOLD_EVERY, self._watch_holds)
         t.resume_reading()
 
     async def _open(self, host: str, port: int) -> _Pipe:

@@ -20,8 +20,10 @@ loopback, explicit local credentials) and a fresh store:
   is what store size alone costs a publish.
 - **1 publish a second** for 60 s (30 s with --quick): the server's CPU
   (utime+stime from /proc/PID/stat) and the bytes added to the bucket (moto's
-  listing before and after, once shipping and checkpoints have settled),
-  beside the change's own bytes (what the publishes added to the local packs,
+  listing before and after, once shipping and checkpoints have settled; for
+  `log/`, the segment bytes the tier shipped in the window instead, since
+  older segments shrink meanwhile as they are dropped), beside the change's
+  own bytes (what the publishes added to the local packs,
   `bytes_written` in `strata stats --json`). Bytes per checkpoint are the
   window's new `checkpoints/` and `runs/` bytes over its new checkpoints.
 - **Steady state**: a second window, twice as long, right after the first,
@@ -30,6 +32,9 @@ loopback, explicit local credentials) and a fresh store:
   runs and tables, from its own counters, so deletions do not hide them)
   over the change's own bytes; with the merged ids per checkpoint.
 - **Old index runs** left under `runs/` at the end of the window.
+- **The owner log's bytes** left in the bucket after both windows (segments a
+  checkpoint passed are overwritten by ~100-byte `dropped` records), beside
+  the store's pack bytes (what the log held a second copy of before).
 - **GC**: `strata policy set data --keep-last 100`, a first pass over the
   whole store, 1,000 small publishes, then the pass that is timed (wall time
   and the server's CPU). The server's VmHWM is reset (/proc/PID/clear_refs)
@@ -103,6 +108,8 @@ class Size:
     steady_merged: float = 0.0       # merged ids per checkpoint in the steady window
     runs_left: int = 0
     runs_left_bytes: int = 0
+    log_objects: int = 0             # owner-log records in the bucket after the windows
+    log_bytes: int = 0               # ... and their bytes (dropped segments are ~100 bytes)
     gc_first_s: float | None = None
     gc_s: float | None = None
     gc_cpu_s: float | None = None
@@ -205,7 +212,8 @@ def _settle(store: str, limit: float = 300.0) -> dict[str, Any]:
     while True:
         st = _stats(store)
         b = st["bucket"]
-        key = (b["checkpoints"], b["segments"], b["packs_uploaded"])
+        key = (b["checkpoints"], b["segments"], b["packs_uploaded"],
+               b.get("segments_dropped", 0))
         busy = b["unshipped_bytes"] or b["uploads_queued"]
         if key != last or busy:
             last, since = key, time.monotonic()
@@ -307,7 +315,12 @@ def measure(work: str, label: str, objects: int, *, window: float, publishes: in
         after = _listing(moto, prefix)
         res.window_publishes = int(window)
         res.payload_bytes = int(window) * len(payload)
-        res.bucket_added = _bytes(after) - _bytes(before)
+        # The log's share is what the window shipped: its listing also shrinks as older
+        # segments are dropped (overwritten small), which is not the window's doing.
+        res.bucket_added = (_bytes(after) - after.get("log", (0, 0))[1]
+                            - _bytes(before) + before.get("log", (0, 0))[1]
+                            + after_st["bucket"]["segment_bytes"]
+                            - before_st["bucket"]["segment_bytes"])
         res.change_bytes = after_st["bytes_written"] - before_st["bytes_written"]
         # From the tier's own counters: old checkpoints, runs and tables leave the bucket,
         # so a listing no longer counts what was written.
@@ -330,6 +343,7 @@ def measure(work: str, label: str, objects: int, *, window: float, publishes: in
         steady_st = _settle(store)
         res.steady_s = time.perf_counter() - w0
         b2 = steady_st["bucket"]
+        res.log_objects, res.log_bytes = _listing(moto, prefix).get("log", (0, 0))
 
         def sent(b: dict[str, Any]) -> int:
             return int(b["segment_bytes"] + b["bytes_uploaded"]
@@ -476,6 +490,10 @@ def rows_for(small: Size, big: Size) -> list[dict[str, Any]]:
         row(f"scale: index run bytes in the bucket, {big.label}", big.runs_left_bytes / MIB,
             "MiB", small.runs_left_bytes / MIB, b),
     ]
+    for s in (small, big):
+        out.append(row(f"scale: owner-log bytes left in the bucket ({s.log_objects:,} "
+                       f"records), {s.label}", s.log_bytes / MIB, "MiB", s.packs_bytes / MIB,
+                       "the store's pack bytes"))
 
     def timed(name: str, bv: float | None, sv: float | None, unit: str = "s",
               target: str = "", met: bool | None = None) -> dict[str, Any]:

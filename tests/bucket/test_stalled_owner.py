@@ -4,9 +4,11 @@ SlateDB lost an acknowledged write this way (#1622): its garbage collection
 deleted a stalled writer's next log slot, so the writer's create-only write
 succeeded when it woke. strata deletes index parts, tables and checkpoints
 that no checkpoint in the log names, and never a log record: the next free
-record is the fence. Here the old owner is stopped (SIGSTOP) in strict mode
-while a new owner restores the store, publishes, checkpoints past several
-merges and deletes; then the old owner wakes and is asked to publish. It
+record is the fence. It overwrites segments below the newest checkpoint's
+`log_from` with small `dropped` records, and never a claim. Here the old
+owner is stopped (SIGSTOP) in strict mode while a new owner restores the
+store, publishes, checkpoints past several merges, deletes and drops the old
+owner's segments; then the old owner wakes and is asked to publish. It
 must acknowledge nothing, and every log record must still be there.
 """
 
@@ -59,9 +61,13 @@ def test_a_stalled_owner_wakes_fenced_after_its_successor_deleted_old_objects(
                 s.sync_index()
                 s._tier.flush()
             s._tier._delete_doomed()
+            while s._tier._dropped_to is None or s._tier._dropped_to < s._tier._drop_upto:
+                s._tier._drop_some()  # and gives A's old segments' bytes back
             deleted = s._tier.stats["index_objects_deleted"]
+            dropped = s._tier.stats["segments_dropped"]
+            b_epoch = s._tier.log.epoch
             levels = [r[0].level for r in runs_of(s._tier._manifest)]
-        assert deleted > 0 and max(levels) >= 1, (deleted, levels)
+        assert deleted > 0 and max(levels) >= 1 and dropped > 0, (deleted, levels, dropped)
         os.kill(server.proc.pid, signal.SIGCONT)
         late: list[str] = []
         with server.remote(retry_for=0.0) as old:
@@ -86,6 +92,12 @@ def test_a_stalled_owner_wakes_fenced_after_its_successor_deleted_old_objects(
     log = OwnerLog(bucket)
     end = log.find_end()
     assert all(bucket.exists(log_name(seq)) for seq in range(end))  # none deleted
+    kinds = {seq: body for seq, body in log.read_many(range(end))}
+    # A's segments B overwrote: small `dropped` records under the same numbers, and
+    # every claim (each one a stalled owner's next number) as it was written.
+    assert any(b["kind"] == "dropped" and b["epoch"] == b_epoch for b in kinds.values())
+    assert all(kinds[b["epoch"]]["kind"] == "claim" for b in kinds.values()
+               if b["kind"] != "dropped")
     got = survivors(tmp_path / "host-b", acked, 30_000)
     assert len(got) == len(acked)  # strict mode: every acknowledged publish of A is there
     with LocalStore(str(tmp_path / "host-b")) as s:

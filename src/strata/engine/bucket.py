@@ -79,6 +79,7 @@ RETRY: Any = {"max_retries": 6, "retry_timeout": timedelta(seconds=8),
 LOG_DIGITS = 20
 RECORD_MAGIC = b"STRL"
 RECORD_VERSION = 1
+DROPPED_VERSION = 2  # a `dropped` record: a segment's bytes given back (docs/format.md)
 HINT = "log-hint"
 READ_AHEAD = 16  # log records a restore has in flight at once (OwnerLog.read_many)
 PUT_PIECE = 4 << 20  # an unsealed object is handed to the client in pieces of this size
@@ -182,6 +183,20 @@ class Bucket:
 
     def put(self, name: str, data: bytes) -> None:
         """Write `name` unconditionally (only for hints, never for facts)."""
+        try:
+            obstore.put(self._store, name, data)
+        except _FAILED as exc:
+            raise BucketUnavailable(f"bucket write of {name} failed: {why(exc)}") from None
+
+    def replace(self, name: str, data: bytes) -> None:
+        """Overwrite `name`, sealed: only for a log segment a checkpoint made redundant.
+
+        The one unconditional write of a fact (engine/tierdrop.py): the record's
+        number must stay taken, so it is overwritten with a smaller record,
+        never deleted.
+        """
+        if self.key is not None:
+            data = self.key.seal(name, data)
         try:
             obstore.put(self._store, name, data)
         except _FAILED as exc:
@@ -402,12 +417,13 @@ def open_record(name: str, data: bytes, magic: bytes, version: int | tuple[int, 
     return body
 
 
-def encode_record(body: dict[str, Any]) -> bytes:
-    return frame_record(RECORD_MAGIC, RECORD_VERSION, body)
+def encode_record(body: dict[str, Any], version: int = RECORD_VERSION) -> bytes:
+    return frame_record(RECORD_MAGIC, version, body)
 
 
 def decode_record(name: str, data: bytes) -> dict[str, Any]:
-    body = open_record(name, data, RECORD_MAGIC, RECORD_VERSION, "log record")
+    body = open_record(name, data, RECORD_MAGIC, (RECORD_VERSION, DROPPED_VERSION),
+                       "log record")
     if not isinstance(body.get("epoch"), int) or not isinstance(body.get("kind"), str) \
             or not isinstance(body.get("nonce"), bytes):
         raise Corrupt(name, 0, "log record lacks epoch, kind or nonce")
@@ -421,10 +437,12 @@ def log_name(seq: int) -> str:
 class OwnerLog:
     """The bucket's numbered records; writing the next one is what owning means.
 
-    Records are never overwritten and numbers never skipped, so the log is one
+    Records are never deleted and numbers never skipped, so the log is one
     line of history and its end can be found without LIST: from the hint (a
     number some writer saw, never past the end) gallop forward with HEADs,
-    then bisect. An owner's epoch is the number of its claim record.
+    then bisect. An owner's epoch is the number of its claim record. The one
+    overwrite is `drop`: a segment no restore can need becomes a small
+    `dropped` record under the same number.
     """
 
     def __init__(self, bucket: Bucket) -> None:
@@ -567,6 +585,20 @@ class OwnerLog:
             return self.bucket.get(name) == data  # the content: sealing is not repeatable
         except Unauthentic:
             return False  # not ours, whoever's it is: the caller reads it and says so
+
+    def drop(self, seq: int, size: int, checkpoint: str) -> None:
+        """Overwrite segment `seq` (`size` bytes stored) with a `dropped` record.
+
+        Only below the `log_from` of a checkpoint that is in the log, so no
+        restore reads it again (engine/tierdrop.py). The number stays taken:
+        a stalled owner's create-only write of it still fails. The record
+        carries the dropper's epoch, as a record carries its writer's.
+        """
+        if self.epoch is None:
+            raise Fenced("this process does not own the bucket's log")
+        body = {"kind": "dropped", "epoch": self.epoch, "v": DROPPED_VERSION,
+                "nonce": os.urandom(16), "size": size, "checkpoint": checkpoint}
+        self.bucket.replace(log_name(seq), encode_record(body, DROPPED_VERSION))
 
     def write_hint(self) -> None:
         """Record how far the log reached (restores start their search there)."""

@@ -44,6 +44,7 @@ The class is put together from one part per job, each in a module of its own
 - tierstate.py: the state the parts share, and the files kept in the store;
 - tiership.py: chunks and segment records (shipping), and the pack writer;
 - tiercheckpoints.py: uploads of sealed packs, checkpoints, deleting old objects;
+- tierdrop.py: log segments a checkpoint made redundant, overwritten small;
 - tierhydrate.py: the inherited object index, copied in after a restore;
 - tierfence.py: the idle owner's watch for a successor's claim;
 - tierevict.py: the local directory as a cache under a budget;
@@ -73,6 +74,7 @@ from strata.engine.errors import BucketUnavailable, Fenced
 from strata.engine.index import Index
 from strata.engine.packstore import LocalPacks, PackWriter
 from strata.engine.tiercheckpoints import CHECKPOINT_INTERVAL, Checkpoints, pack_object_name
+from strata.engine.tierdrop import Dropping
 from strata.engine.tierevict import EVICT_INTERVAL, Eviction
 from strata.engine.tierfence import FenceWatch
 from strata.engine.tierhydrate import HYDRATE_BLOCKS, Hydration
@@ -98,7 +100,8 @@ __all__ = [
 ]
 
 
-class TieredPacks(Shipping, Checkpoints, Hydration, FenceWatch, Eviction, WindowedReads):
+class TieredPacks(Shipping, Checkpoints, Dropping, Hydration, FenceWatch, Eviction,
+                  WindowedReads):
     """Local packs, with every byte also shipped to the bucket (see the module docstring)."""
 
     def attach(self, index: Index, store_id: bytes, block_size: int, state_dir: str) -> None:
@@ -172,6 +175,8 @@ class TieredPacks(Shipping, Checkpoints, Hydration, FenceWatch, Eviction, Window
             self.checkpoint()
         if self._doomed:
             self._delete_doomed()
+        if self._dropped_to is None or self._dropped_to < self._drop_upto:
+            self._drop_some()
         while self._fetches:
             self._fetch_back(self._fetches[0])
             self._fetches.popleft()
@@ -331,4 +336,9 @@ def open_tier(store_dir: str, meta: dict[str, Any], local: LocalPacks) -> Tiered
                        hydrated=str(hydrated) if hydrated else None,
                        clean=state.get("clean") is True,
                        from_log={int(n) for n in state.get("from_log") or ()},
-                       cp_name=cp_name)
+                       cp_name=cp_name, dropped_to=_int_or_none(state.get("dropped_to")))
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
+        else None

@@ -153,7 +153,11 @@ class Checkpoints(TierState):
         self.ship()
         with self._lock:
             remote = dict(self.remote)
-            unsent = [seq for n, seq in self._first_seq.items() if n not in remote]
+            # A pack uploaded, or removed (garbage collection), needs no segment any
+            # more: only packs still local and not in the bucket hold `log_from` back.
+            for n in [n for n in self._first_seq if n in remote or n not in self._local]:
+                del self._first_seq[n]
+            unsent = list(self._first_seq.values())
             self._changed = False
             self._cp_taken += 1  # this checkpoint's view of the packs, numbered
             taken = self._cp_taken
@@ -204,6 +208,9 @@ class Checkpoints(TierState):
                 self.failed = exc
                 raise
         self._index.checkpoint_done(seq, name)
+        # Restores start at `log_from` or later from now on: the segments before it
+        # may give their bytes back (engine/tierdrop.py).
+        self._drop_upto = max(self._drop_upto, log_from)
         # What only earlier checkpoints name goes once this one is in the log.
         keep = {p.name for p in parts} | {n for n, _h in tables_ref.values()} \
             | {n for n, _h in part_tables} | {n for n, _h in pack_tables}
@@ -392,7 +399,7 @@ class Checkpoints(TierState):
         write_durably(os.path.join(self._state_dir, TIER_STATE), json.dumps(
             {"epoch": self.log.epoch, "next": self.log.next,
              "hydrated": self._hydrated, "clean": self._clean, "checkpoint": self._cp_name,
-             "from_log": sorted(self._from_log)}).encode())
+             "from_log": sorted(self._from_log), "dropped_to": self._dropped_to}).encode())
 
     def _delete_doomed(self) -> None:
         with self._lock:

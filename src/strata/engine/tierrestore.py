@@ -20,7 +20,14 @@ from typing import Any
 
 from strata.engine.bucket import Bucket, OwnerLog, log_name
 from strata.engine.checkpoint import Checkpoint
-from strata.engine.errors import AlreadyExists, Corrupt, InvalidInput, NotFound, StrataError
+from strata.engine.errors import (
+    AlreadyExists,
+    Corrupt,
+    Fenced,
+    InvalidInput,
+    NotFound,
+    StrataError,
+)
 from strata.engine.index import Index
 from strata.engine.packstore import LocalPacks
 from strata.engine.seal import KEY_FILE, BucketKey, read_key_file
@@ -48,6 +55,11 @@ def apply_segments(local: LocalPacks, log: OwnerLog, start: int, end: int,
         for seq, body in log.read_many(range(start, end)):
             if progress is not None:
                 progress(seq - start, end - start, report["bytes"])
+            if body["kind"] == "dropped":
+                # Only segments below a checkpoint's `log_from` are dropped, and this
+                # range starts at the newest one's: the log does not hold what it needs.
+                raise Corrupt(log_name(seq), 0, "this log segment was dropped (by epoch "
+                                                f"{body['epoch']}), and the restore needs it")
             if body["kind"] != "segment":
                 continue
             report["segments"] += 1
@@ -167,8 +179,9 @@ def newest_checkpoint(bucket: Bucket, log: OwnerLog, end: int) -> Checkpoint | N
 def _check_ours(log: OwnerLog, seq: int, epoch: Any) -> None:
     """The last record this store wrote is still there, and still its own.
 
-    Records are never deleted by strata, so a missing one means the bucket's
-    newest records were deleted: a rollback, which only state kept outside
+    Records are never deleted by strata (a segment is at most overwritten by a
+    `dropped` record), so a missing one means the bucket's newest records were
+    deleted: a rollback, which only state kept outside
     the bucket (here, tier.json) can show.
     """
     if seq < 0:
@@ -179,6 +192,10 @@ def _check_ours(log: OwnerLog, seq: int, epoch: Any) -> None:
         raise Corrupt(log_name(seq), 0, "this store wrote this log record and it is gone "
                                         "from the bucket: the log was rolled back (its "
                                         "newest records deleted)") from None
+    if body["kind"] == "dropped" and body["epoch"] != epoch:
+        # A successor gave this segment's bytes back: only an owner does that.
+        raise Fenced(f"this store was taken over (epoch {body['epoch']} dropped log record "
+                     f"{seq}); restore it from {log.bucket.url} instead")
     if body["epoch"] != epoch:
         raise Corrupt(log_name(seq), 0, f"this store (epoch {epoch}) wrote this log record, "
                                         f"and the bucket holds one of epoch {body['epoch']}")

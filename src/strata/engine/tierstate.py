@@ -35,7 +35,8 @@ class TierState(PackStore):
     def __init__(self, local: LocalPacks, bucket: Bucket, log: OwnerLog, *, strict: bool,
                  checkpoint: Checkpoint | None = None, cache_size: int | None = None,
                  hydrated: str | None = None, clean: bool = False,
-                 from_log: set[int] | None = None, cp_name: str | None = None) -> None:
+                 from_log: set[int] | None = None, cp_name: str | None = None,
+                 dropped_to: int | None = None) -> None:
         self.local = local
         self.bucket = bucket
         self.log = log
@@ -121,6 +122,14 @@ class TierState(PackStore):
         self._checkpointed: set[int] = set(checkpoint.packs) if checkpoint else set()
         self._evict_checked = 0.0
         self._log_from_at_open = checkpoint.log_from if checkpoint is not None else 0
+        # Log segments given back (engine/tierdrop.py): every one below `_dropped_to`
+        # that was worth it (None: not known yet, so searched for, down from the
+        # checkpoint's `log_from`), up to the newest checkpoint's `log_from`.
+        self._dropped_to = dropped_to
+        self._drop_search = self._log_from_at_open - 1
+        self._drop_upto = self._log_from_at_open if cp_name else 0
+        self._own_from = log.epoch if log.epoch is not None else 0  # this process's claim
+        self._own_segments: dict[int, int] = {}  # segments it shipped, not yet dropped
         self._index: Index | None = None
         self._state_dir: str | None = None
         self._store_id = b""
@@ -134,7 +143,8 @@ class TierState(PackStore):
                       "index_entries_hydrated": 0, "packs_deleted": 0,
                       "index_objects_deleted": 0, "checkpoint_bytes": 0, "index_runs": 0,
                       "checkpoint_bytes_total": 0, "index_parts": 0,
-                      "merged_entries": 0, "delta_entries": 0}
+                      "merged_entries": 0, "delta_entries": 0, "segments_dropped": 0,
+                      "segment_bytes_dropped": 0}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fence_thread: threading.Thread | None = None

@@ -237,6 +237,17 @@ class Bucket:
         except _FAILED as exc:
             raise BucketUnavailable(f"bucket list of {prefix} failed: {why(exc)}") from None
 
+    def listing(self, prefix: str) -> list[tuple[str, int, float]]:
+        """(name, stored size, last modified as a Unix time) of every object under `prefix`.
+
+        A LIST: for the tier's sweep of objects no checkpoint names, never a publish.
+        """
+        try:
+            return [(str(m["path"]), int(m["size"]), m["last_modified"].timestamp())
+                    for batch in obstore.list(self._store, prefix) for m in batch]
+        except _FAILED as exc:
+            raise BucketUnavailable(f"bucket list of {prefix} failed: {why(exc)}") from None
+
     def get(self, name: str) -> bytes:
         """The whole object (its verified content, with a key)."""
         data = self.get_stored(name)

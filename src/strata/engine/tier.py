@@ -45,6 +45,7 @@ The class is put together from one part per job, each in a module of its own
 - tiership.py: chunks and segment records (shipping), and the pack writer;
 - tiercheckpoints.py: uploads of sealed packs, checkpoints, deleting old objects;
 - tierdrop.py: log segments a checkpoint made redundant, overwritten small;
+- tiersweep.py: objects no checkpoint names, left by work that never finished;
 - tierhydrate.py: the inherited object index, copied in after a restore;
 - tierfence.py: the idle owner's watch for a successor's claim;
 - tierevict.py: the local directory as a cache under a budget;
@@ -90,6 +91,7 @@ from strata.engine.tierrestore import (
 )
 from strata.engine.tiership import SHIP_BYTES, SHIP_INTERVAL, Shipping, TierWriter
 from strata.engine.tierstate import BUCKET_FORMAT, BUCKET_META, TIER_CHECKPOINT, TIER_STATE
+from strata.engine.tiersweep import SWEEP_FIRST, SWEEP_INTERVAL, Sweeping
 
 _log = logging.getLogger(__name__)  # `_log`: `self.log` is the owner log
 
@@ -100,8 +102,8 @@ __all__ = [
 ]
 
 
-class TieredPacks(Shipping, Checkpoints, Dropping, Hydration, FenceWatch, Eviction,
-                  WindowedReads):
+class TieredPacks(Shipping, Checkpoints, Dropping, Sweeping, Hydration, FenceWatch,
+                  Eviction, WindowedReads):
     """Local packs, with every byte also shipped to the bucket (see the module docstring)."""
 
     def attach(self, index: Index, store_id: bytes, block_size: int, state_dir: str) -> None:
@@ -111,6 +113,9 @@ class TieredPacks(Shipping, Checkpoints, Dropping, Hydration, FenceWatch, Evicti
         self._save_state()  # not clean from here on, until a close has shipped it all
         self._store_id = store_id
         self._block_size = block_size
+        # The first sweep for objects nothing names comes soon after open: a kill
+        # or a takeover is when they are left.
+        self._swept_at = time.monotonic() - SWEEP_INTERVAL + SWEEP_FIRST
         inherited = self._log_from_at_open
         for n in sorted(self._local):
             if n in self.remote:
@@ -177,6 +182,8 @@ class TieredPacks(Shipping, Checkpoints, Dropping, Hydration, FenceWatch, Evicti
             self._delete_doomed()
         if self._dropped_to is None or self._dropped_to < self._drop_upto:
             self._drop_some()
+        if now - self._swept_at >= SWEEP_INTERVAL and self._inherited_index is None:
+            self.sweep()
         while self._fetches:
             self._fetch_back(self._fetches[0])
             self._fetches.popleft()

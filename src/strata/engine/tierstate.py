@@ -130,6 +130,7 @@ class TierState(PackStore):
         self._drop_upto = self._log_from_at_open if cp_name else 0
         self._own_from = log.epoch if log.epoch is not None else 0  # this process's claim
         self._own_segments: dict[int, int] = {}  # segments it shipped, not yet dropped
+        self._swept_at = time.monotonic()  # the last sweep (engine/tiersweep.py)
         self._index: Index | None = None
         self._state_dir: str | None = None
         self._store_id = b""
@@ -144,7 +145,7 @@ class TierState(PackStore):
                       "index_objects_deleted": 0, "checkpoint_bytes": 0, "index_runs": 0,
                       "checkpoint_bytes_total": 0, "index_parts": 0,
                       "merged_entries": 0, "delta_entries": 0, "segments_dropped": 0,
-                      "segment_bytes_dropped": 0}
+                      "segment_bytes_dropped": 0, "objects_swept": 0}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fence_thread: threading.Thread | None = None

@@ -21,7 +21,7 @@ from strata.engine.errors import Corrupt, Fenced, StrataError
 from strata.engine.local import LocalStore, init_store
 from strata.engine.seal import KEY_FILE, read_key_file
 from strata.engine.tier import TIER_STATE, restore
-from strata.engine.tierdrop import SMALL_RECORD
+from strata.engine.tierdrop import DROP_MIN, SMALL_RECORD
 from strata.engine.txn import Transaction
 
 MiB = 1 << 20
@@ -72,7 +72,7 @@ def test_segments_below_log_from_are_dropped_and_the_store_restores(
         assert kinds[tier.log.epoch or 0] == "claim"
         assert all(tier.bucket.size(log_name(seq)) <= SMALL_RECORD for seq in dropped)
         assert tier.stats["segment_bytes_dropped"] >= 2 * MiB, tier.stats
-        assert all(kinds[seq] != "segment" or tier.bucket.size(log_name(seq)) <= SMALL_RECORD
+        assert all(kinds[seq] != "segment" or tier.bucket.size(log_name(seq)) < DROP_MIN
                    for seq in range(cp.log_from))
     # The owner reopens from its own directory: its last record may be one it dropped.
     with LocalStore(str(store)) as s:
@@ -163,7 +163,7 @@ def test_a_store_that_lost_its_place_finds_where_dropping_reached(tmp_path: Path
         _drop_all(s)
         assert tier._dropped_to is not None and tier._dropped_to >= (reached or 0)
         kinds = _kinds(tier.log)
-        assert all(kinds[seq] != "segment" or tier.bucket.size(log_name(seq)) <= SMALL_RECORD
+        assert all(kinds[seq] != "segment" or tier.bucket.size(log_name(seq)) < DROP_MIN
                    for seq in range(tier._dropped_to))
 
 

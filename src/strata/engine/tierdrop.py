@@ -14,7 +14,8 @@ records are small and stay as they were written.
 The range to drop is `[dropped_to, log_from)`, walked upwards a few records per
 background pass. Segments this process shipped are known by number. Records
 from before its claim (a previous run's or a previous owner's) are looked at
-with a HEAD, and only those over `SMALL_RECORD` bytes are overwritten. A
+with a HEAD. Only segments of at least `DROP_MIN` bytes are overwritten: a
+drop is one PUT, which costs more than keeping a few KiB does. A
 store that does not know where dropping reached (a restore, or one written
 before dropping) walks down from its checkpoint's `log_from` to the newest
 `dropped` record first. `dropped_to` is kept in tier.json.
@@ -31,7 +32,10 @@ from strata.engine.tierstate import TierState
 _log = logging.getLogger(__name__)
 
 DROP_PER_PASS = 64    # bucket requests one background pass spends on dropping
-SMALL_RECORD = 1024   # stored bytes at or under which a record is left as it is
+SMALL_RECORD = 1024   # claims, checkpoint and `dropped` records are smaller than this
+# A segment smaller than this stays whole. Dropping one costs a PUT, and at object
+# stores' list prices a PUT costs about what keeping 8 KiB costs for three years.
+DROP_MIN = 8 << 10
 
 
 class Dropping(TierState):
@@ -54,7 +58,7 @@ class Dropping(TierState):
                     stored = self.bucket.size(log_name(seq))
                 except NotFound:
                     stored = 0  # a gap is for the owner log's checks to find, not here
-                size = stored if stored > SMALL_RECORD else None
+                size = stored if stored >= DROP_MIN else None
             if size is not None:
                 budget -= 1
                 self.log.drop(seq, size, self._cp_name or "")

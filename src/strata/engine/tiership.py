@@ -18,7 +18,7 @@ import time
 from strata.engine import pack as packfmt
 from strata.engine.errors import BucketUnavailable, StoreFailed
 from strata.engine.packstore import PackWriter
-from strata.engine.tierdrop import SMALL_RECORD
+from strata.engine.tierdrop import DROP_MIN
 from strata.engine.tierstate import Chunk, TierState
 
 _log = logging.getLogger(__name__)  # `_log`: `self.log` is the owner log
@@ -85,7 +85,7 @@ class Shipping(TierState):
                     with self._lock:
                         for n, _o, _d in part:
                             self._first_seq.setdefault(n, seq)
-                        if size > SMALL_RECORD:  # given back once a checkpoint passes it
+                        if size >= DROP_MIN:  # given back once a checkpoint passes it
                             self._own_segments[seq] = size
                     self.stats["segments"] += 1
                     self.stats["segment_bytes"] += size

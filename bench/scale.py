@@ -18,7 +18,8 @@ loopback, explicit local credentials) and a fresh store:
   into a directory not read yet (cold: the first read decodes the directory);
   then the same number into ten directories already read (warm), whose p50
   is what store size alone costs a publish.
-- **1 publish a second** for 60 s (30 s with --quick): the server's CPU
+- **1 publish a second** for 60 s (30 s with --quick), once the pack holding
+  the publishes above is sealed (by age, 30 s) and uploaded: the server's CPU
   (utime+stime from /proc/PID/stat) and the bytes added to the bucket (moto's
   listing before and after, once shipping and checkpoints have settled; for
   `log/`, the segment bytes the tier shipped in the window instead, since
@@ -66,6 +67,7 @@ from bench.cli_env import STRATA
 from bench.engine import _pct
 from bench.report import row
 from strata.engine.local import LocalStore
+from strata.engine.storedir import StoreConfig
 from strata.engine.txn import Transaction
 from strata.server.client import RemoteStore, default_socket, is_serving
 
@@ -302,6 +304,9 @@ def measure(work: str, label: str, objects: int, *, window: float, publishes: in
         res.pub_warm_p50, res.pub_warm_p99 = _pct(warm, 0.5), _pct(warm, 0.99)
 
         print(f"scale {label}: {window:.0f} s at 1 publish/s", file=sys.stderr, flush=True)
+        # The pack that holds the publishes above is sealed by age (pack_age_limit) and
+        # then uploaded: wait for that, or the window counts their bytes as its own.
+        time.sleep(StoreConfig().pack_age_limit + 2.0)
         before_st = _settle(store)
         before = _listing(moto, prefix)
         cpu0, w0 = _cpu_s(server.pid), time.perf_counter()

@@ -231,16 +231,12 @@ class Bucket:
 
     def names(self, prefix: str) -> list[str]:
         """Every object name under `prefix` (a LIST: never on a publish's path)."""
-        try:
-            return [str(m["path"]) for batch in obstore.list(self._store, prefix)
-                    for m in batch]
-        except _FAILED as exc:
-            raise BucketUnavailable(f"bucket list of {prefix} failed: {why(exc)}") from None
+        return [name for name, _size, _modified in self.listing(prefix)]
 
     def listing(self, prefix: str) -> list[tuple[str, int, float]]:
         """(name, stored size, last modified as a Unix time) of every object under `prefix`.
 
-        A LIST: for the tier's sweep of objects no checkpoint names, never a publish.
+        A LIST: never on a publish's path.
         """
         try:
             return [(str(m["path"]), int(m["size"]), m["last_modified"].timestamp())

@@ -30,6 +30,7 @@ from strata.engine import reach, scratch
 from strata.engine.index import Index
 from strata.engine.local import LocalStore, init_store
 from strata.engine.objects import BLOCK, SNAPSHOT, references
+from strata.engine.recount import recount
 from strata.engine.txn import Transaction
 
 SMALL, LARGE = 4_000, 20_000  # files: a block and a file node each, so ~8k and ~40k objects
@@ -100,8 +101,13 @@ def _fsck(s: LocalStore) -> Any:
     return s.fsck()
 
 
-@pytest.mark.parametrize("run", [_gc, _gc_incremental, _fsck],
-                         ids=["gc-full", "gc-incremental", "fsck"])
+def _recount(s: LocalStore) -> Any:
+    """A restored store's first pass recounts the accounting (it changes no result)."""
+    return recount(s.index, s._packs, s.path)
+
+
+@pytest.mark.parametrize("run", [_gc, _gc_incremental, _fsck, _recount],
+                         ids=["gc-full", "gc-incremental", "fsck", "recount"])
 def test_peak_does_not_grow_with_the_store(stores: dict[int, Path], small_bounds: None,
                                            run: Callable[[LocalStore], Any]) -> None:
     small, small_out = _peak(stores[SMALL], run)
@@ -109,6 +115,9 @@ def test_peak_does_not_grow_with_the_store(stores: dict[int, Path], small_bounds
     if run is _gc_incremental:
         assert large_out["mode"] == "incremental" and not large_out["fallback"]
         assert large_out["objects_unreachable"] > 4 * small_out["objects_unreachable"] > 0
+    elif run is _recount:
+        assert small_out["exact"] and large_out["exact"], (small_out, large_out)
+        assert large_out["nodes"] > 4 * small_out["nodes"]
     elif run is _gc:
         assert large_out["mode"] == "full"
         assert large_out["objects_live"] > 4 * small_out["objects_live"]

@@ -102,6 +102,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
           f"out of {len(report['packs_compacted'])} pack(s)")
     print(f"gc: {report.get('mode', 'full')} pass, {report.get('objects_examined', 0)} "
           f"object(s) examined" + (f" ({report['fallback']})" if report.get("fallback") else ""))
+    recounted = report.get("recount")
+    if recounted:  # the first pass on a restored store
+        print(f"gc: the accounting was recounted from {recounted['nodes']} node(s) in "
+              f"{recounted['seconds']:.2f} s" + ("" if recounted["exact"] else
+                                                 f", unfinished: {recounted['why']}"))
     pending = report.get("bytes_pending", 0)
     if pending:
         # Packs go one pass after they empty: a reader that began before this pass

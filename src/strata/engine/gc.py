@@ -53,6 +53,7 @@ from strata.engine.interface import Lease, SnapshotInfo
 from strata.engine.journal import Journal
 from strata.engine.objects import BLOCK, FILENODE, ID_LEN, SNAPSHOT, TREE, references
 from strata.engine.packstore import PackStore
+from strata.engine.recount import FAILED, recount
 from strata.engine.refs import Refs
 from strata.engine.scratch import Scratch
 from strata.engine.storedir import write_durably
@@ -370,6 +371,7 @@ class Report:
     objects_examined: int = 0     # index entries looked at (full: all of them)
     fallback: str | None = None   # why a pass meant to be incremental marked in full
     checked: dict[str, int] | None = None  # a full pass's check of the accounting
+    recount: dict[str, Any] | None = None  # the accounting recounted first (engine/recount.py)
     # Packs this pass emptied (or compacted): deleted by the next pass, once nothing that
     # began before this one can still read them. Their bytes are still on disk now.
     packs_pending: list[int] = field(default_factory=list)
@@ -464,6 +466,12 @@ def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report
     # "GC accounting"); otherwise, or when the accounting is found wrong, a full mark.
     progress(1, len(PHASES), PHASES[1])
     skip = set(report.branches_expired) if dry_run else set()
+    if (not dry_run and not store.index.counted()
+            and store.index.get_meta(FAILED) is None):
+        # A restored index (or accounting found wrong): recount it in place rather
+        # than mark in full for good. It reads every indexed node once.
+        store.sync_index()
+        report.recount = recount(store.index, packs, store.path)
     counted = store.index.counted()
     report.mode = "incremental" if counted and not full else "full"
     with contextlib.ExitStack() as scratch:

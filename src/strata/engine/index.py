@@ -35,6 +35,7 @@ COUNT = struct.Struct("<Q")   # references to an object from indexed nodes; byte
 HIST = struct.Struct("<Q")    # a snapshot's time (ns); its parent's id follows (none: a root)
 PACKNO = struct.Struct(">I")  # a pack number as a key (big-endian: sorted)
 COUNTED = b"gc-counted"       # meta key: the GC accounting tables are exact (see below)
+RECOUNT = b"gc-recounting"    # meta key: a recount's token, gone when anything makes it inexact
 # A whole-index scan hands its mapped pages back this often (entries): LMDB reads through a
 # shared map, and each page touched stays resident in this process until handed back. The
 # kernel maps up to 16 neighbouring cached pages on each fault (fault-around), so a scan of
@@ -345,7 +346,7 @@ class Index:
     def add_objects(self, entries: Iterable[tuple[bytes, Loc]]) -> None:
         """Entries fetched from a checkpoint's index run (older than `applied`)."""
         with self.env.begin(write=True, db=self.objects) as txn:
-            txn.delete(COUNTED, db=self.meta)  # not counted: GC marks in full from now on
+            _inexact(txn, self)  # not counted: GC marks in full from now on
             n = 0
             for oid, loc in entries:
                 txn.put(oid, LOC.pack(*loc), overwrite=False)
@@ -364,7 +365,7 @@ class Index:
         """
         with self.env.begin(write=True) as txn:
             if objects and refs_of is None:
-                txn.delete(COUNTED, db=self.meta)
+                _inexact(txn, self)
             delta: dict[int, int] = {}
             mark = _next_change(txn, self) if objects else b""
             for oid, loc in objects:
@@ -382,7 +383,7 @@ class Index:
                 if refs_of is not None and loc.kind != _BLOCK:
                     kids = refs_of(oid, loc)
                     if kids is None:  # what it names is unknown: nothing can be trusted
-                        txn.delete(COUNTED, db=self.meta)
+                        _inexact(txn, self)
                     for kid in dict.fromkeys(kids or ()):
                         self._add_count(txn, kid, 1)
             self._add_packbytes(txn, delta)
@@ -421,7 +422,7 @@ class Index:
                     loc = _loc(LOC.unpack(old))
                     kids = refs_of(k, loc) if refs_of is not None else None
                     if kids is None:
-                        txn.delete(COUNTED, db=self.meta)
+                        _inexact(txn, self)
                     gone[k] = (loc, kids or [])
             self._forget_locked(txn, gone)
 
@@ -490,8 +491,8 @@ class Index:
 
     def uncount(self) -> None:
         """The accounting was found wrong: GC marks in full until the index is rebuilt."""
-        with self.env.begin(write=True, db=self.meta) as txn:
-            txn.delete(COUNTED)
+        with self.env.begin(write=True) as txn:
+            _inexact(txn, self)
 
     def ref_counts(self, oids: Iterable[bytes]) -> list[int]:
         """How many indexed tree, file and snapshot nodes name each object."""
@@ -537,6 +538,89 @@ class Index:
         """Indexed bytes per pack (frames of objects the index points into it)."""
         with self.env.begin(db=self.packbytes) as txn:
             return {PACKNO.unpack(k)[0]: COUNT.unpack(v)[0] for k, v in txn.cursor()}
+
+    # -- recounting in place (engine/recount.py) ---------------------------------------
+
+    def recount_view(self, token: bytes, take_node: Callable[[bytes, Loc], None],
+                     take_count: Callable[[bytes, int], None]
+                     ) -> tuple[dict[int, int], dict[int, int]]:
+        """Start a recount: every indexed node and every count, from one read transaction.
+
+        `token` is noted first (meta `gc-recounting`); anything that makes the
+        accounting inexact from then on removes it, and `finish_recount` then
+        refuses. Returns the indexed bytes of each pack as that transaction's
+        objects add up and as its `packbytes` table says.
+        """
+        with self.env.begin(write=True, db=self.meta) as txn:
+            txn.put(RECOUNT, token)
+        per_pack: dict[int, int] = {}
+        unpack, make = LOC.unpack, _loc
+        with self.env.begin() as txn:
+            for i, (k, v) in enumerate(txn.cursor(db=self.objects)):
+                if i and not i % RELEASE_EVERY:
+                    self.release_pages()
+                loc = make(unpack(v))
+                per_pack[loc.pack] = per_pack.get(loc.pack, 0) + loc.length
+                if loc.kind != _BLOCK:
+                    take_node(bytes(k), loc)
+            for i, (k, v) in enumerate(txn.cursor(db=self.counts)):
+                if i and not i % RELEASE_EVERY:
+                    self.release_pages()
+                take_count(bytes(k), COUNT.unpack(v)[0])
+            table = {PACKNO.unpack(k)[0]: COUNT.unpack(v)[0]
+                     for k, v in txn.cursor(db=self.packbytes)}
+        self.release_pages()
+        return per_pack, table
+
+    def adjust_counts(self, deltas: Iterable[tuple[bytes, int]]) -> None:
+        """Add each delta to its object's count, `zero` following (one transaction).
+
+        A count that would go below zero makes the accounting inexact.
+        """
+        with self.env.begin(write=True) as txn:
+            for oid, by in deltas:
+                if by:
+                    self._add_count(txn, oid, by)
+
+    def adjust_packbytes(self, delta: dict[int, int]) -> None:
+        with self.env.begin(write=True) as txn:
+            self._add_packbytes(txn, delta)
+
+    def rederive_zero(self, batch: int = RELEASE_EVERY) -> None:
+        """Make `zero` the indexed objects without a count, `batch` ids a transaction.
+
+        The indexer and GC keep the rule for the ids they touch meanwhile, so a
+        range set right stays right.
+        """
+        for db in (self.objects, self.zero):
+            after = b""
+            while True:
+                with self.env.begin(write=True) as txn:
+                    cur = txn.cursor(db=db)
+                    more = cur.set_range(after)
+                    keys: list[bytes] = []
+                    while more and len(keys) < batch:
+                        keys.append(bytes(cur.key()))
+                        more = cur.next()
+                    for k in keys:
+                        if (txn.get(k, db=self.objects) is not None
+                                and txn.get(k, db=self.counts) is None):
+                            txn.put(k, b"", db=self.zero)
+                        else:
+                            txn.delete(k, db=self.zero)
+                self.touched(len(keys))
+                if not more:
+                    break
+                after = keys[-1] + b"\0"  # the least key after it
+
+    def finish_recount(self, token: bytes) -> bool:
+        """Declare the accounting exact, unless something made it inexact since `token`."""
+        with self.env.begin(write=True, db=self.meta) as txn:
+            if txn.get(RECOUNT) != token:
+                return False
+            txn.delete(RECOUNT)
+            txn.put(COUNTED, b"1")
+            return True
 
     def forget_counted(self, gone: dict[bytes, tuple[Loc, list[bytes]]],
                        expired: Iterable[bytes] = ()) -> None:
@@ -596,7 +680,7 @@ class Index:
         v = txn.get(oid, db=self.counts)
         n = (COUNT.unpack(v)[0] if v is not None else 0) + by
         if n < 0:  # a reference dropped twice: the tables are wrong, never trust them
-            txn.delete(COUNTED, db=self.meta)
+            _inexact(txn, self)
             n = 0
         if n:
             txn.put(oid, COUNT.pack(n), db=self.counts)
@@ -618,7 +702,7 @@ class Index:
             else:
                 txn.delete(key, db=self.packbytes)
                 if n < 0:
-                    txn.delete(COUNTED, db=self.meta)
+                    _inexact(txn, self)
 
     def get_meta(self, key: bytes) -> bytes | None:
         with self.env.begin(db=self.meta) as txn:
@@ -668,6 +752,12 @@ def _madvise(addr: int, length: int) -> None:
         _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     if length > 0:
         _libc.madvise(addr, length, mmap.MADV_DONTNEED)
+
+
+def _inexact(txn: lmdb.Transaction, ix: Index) -> None:
+    """The accounting cannot be trusted from now on: GC marks in full, a recount fails."""
+    txn.delete(COUNTED, db=ix.meta)
+    txn.delete(RECOUNT, db=ix.meta)
 
 
 def _next_change(txn: lmdb.Transaction, ix: Index) -> bytes:

@@ -237,7 +237,7 @@ def test_a_damaged_cache_file_is_fetched_again(menv: MountEnv, tmp_path: Path) -
     menv.run("volume", "create", "c")
     src = tmp_path / "c"
     src.mkdir()
-    data = os.urandom(300_000)
+    data = os.urandom(1_200_000)  # five chunks at least (256 KiB at most each) and a node
     (src / "f").write_bytes(data)
     menv.run("import", "c", str(src))
     rs = _remote(menv)

@@ -207,29 +207,11 @@ def load_trace(store: Store, volume: str, snapshot: str) -> list[TraceEntry] | N
         raise InvalidInput(f"branch {trace_branch(snapshot)} holds no {TRACE_FILE} file")
     if e.size > MAX_TRACE_BYTES:
         raise InvalidInput(f"boot trace of {e.size} bytes (at most {MAX_TRACE_BYTES})")
-    if e.ref is None:
-        raw = e.data or b""
-    else:
-        try:
-            fnode = FileNode.decode(store.get_object(e.ref))
-        except ValueError as exc:
-            raise InvalidInput(f"boot trace's file node: {exc}") from None
-        if fnode.size != e.size:
-            raise InvalidInput("boot trace's file node disagrees with its entry")
-        # Content-defined node boundaries give even a trace of a few chunks inner
-        # nodes now and then: read the tree at whatever depth it has.
-        got: dict[bytes, bytes] = {}
-
-        def get(oid: bytes) -> bytes:
-            if oid not in got:  # a remote store's answer may leave some out
-                got[oid] = store.get_object(oid)
-            return got[oid]
-
-        try:
-            got.update(store.get_file(e.ref, 0, e.size)[1])
-            raw = fnode.read(0, e.size, get, get)
-        except ValueError as exc:
-            raise InvalidInput(f"boot trace's file node: {exc}") from None
+    from strata.engine.txn import ContentWriter
+    try:  # the nodes at whatever depth, and the chunks: one round trip from a remote store
+        raw = ContentWriter(store).read(e)
+    except ValueError as exc:
+        raise InvalidInput(f"boot trace's file node: {exc}") from None
     return decode(raw, snapshot)
 
 

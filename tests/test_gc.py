@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from strata.engine import gc
-from strata.engine.errors import Expired, InvalidInput, NotFound, StrataError
+from strata.engine.errors import Corrupt, Expired, InvalidInput, NotFound, StrataError
 from strata.engine.gc import PIN_LIFETIME
 from strata.engine.index import COUNT
 from strata.engine.interface import ChangeSet
@@ -653,9 +653,9 @@ def test_a_recount_cut_short_or_overtaken_leaves_the_accounting_inexact(
         # A node that cannot be read: noted, and later passes mark in full without
         # reading everything again for the same end (until the index is rebuilt).
         def unreadable(*_args: Any) -> list[bytes]:
-            raise ValueError("a damaged frame")
+            raise Corrupt("pack", 0, "a damaged frame")
 
-        monkeypatch.setattr(recountmod, "_names", unreadable)
+        monkeypatch.setattr(recountmod, "frame_refs", lambda _packs: unreadable)
         s.index.uncount()
         r = s.gc(min_age=0)
         assert "damaged frame" in r["recount"]["why"] and r["mode"] == "full", r

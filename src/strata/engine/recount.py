@@ -32,11 +32,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from strata.engine import pack as packfmt
 from strata.engine.errors import Corrupt, NotFound
 from strata.engine.index import Index, Loc
-from strata.engine.objects import object_id, references
 from strata.engine.packstore import PackStore
+from strata.engine.recovery import frame_refs
 from strata.engine.scratch import Scratch
 
 ADJUST_BATCH = 4_096           # count corrections written in one index transaction
@@ -68,17 +67,18 @@ def recount(index: Index, packs: PackStore, store_dir: str) -> dict[str, Any]:
             deltas.put(oid + _SEQ.pack(next(seq)), _DELTA.pack(-n))
 
         per_pack, table = index.recount_view(token, take_node, take_count)
-        infos: dict[int, packfmt.PackInfo] = {}
+        refs_of = frame_refs(packs)  # what the indexer reads as it counts: checked frames
         try:
             for key, val in nodes.items():
-                pack, offset = _AT.unpack(key)
-                oid = val[:32]
-                length, kind = _NODE.unpack_from(val, 32)
-                for kid in dict.fromkeys(_names(packs, infos, oid, Loc(pack, offset, length,
-                                                                           kind))):
+                oid, loc = val[:32], Loc(*_AT.unpack(key), *_NODE.unpack_from(val, 32))
+                kids = refs_of(oid, loc)
+                if kids is None:
+                    raise Corrupt(packs.label(loc.pack), loc.offset,
+                                  f"the frame of node {oid.hex()} is damaged or another object")
+                for kid in dict.fromkeys(kids):
                     deltas.put(kid + _SEQ.pack(next(seq)), _DELTA.pack(1))
                 out["nodes"] += 1
-        except (Corrupt, NotFound, ValueError) as exc:
+        except (Corrupt, NotFound) as exc:
             out["why"] = f"a node could not be read: {exc}"
             index.put_meta(FAILED, out["why"].encode())
             index.uncount()
@@ -99,23 +99,6 @@ def recount(index: Index, packs: PackStore, store_dir: str) -> dict[str, Any]:
         out["why"] = "the accounting was found inexact meanwhile"
     out["seconds"] = round(time.monotonic() - t0, 3)
     return out
-
-
-def _names(packs: PackStore, infos: dict[int, packfmt.PackInfo], oid: bytes,
-           loc: Loc) -> list[bytes]:
-    """The ids a node names, from its frame, checked to be the object its entry says."""
-    info = infos.get(loc.pack)
-    if info is None:
-        infos.clear()  # read in pack order: only the current pack's header is asked again
-        info = infos[loc.pack] = packs.info(loc.pack)
-    name = packfmt.pack_name(loc.pack)
-    kind, stored, raw = packfmt.decode_object(packs.pread(loc.pack, loc.length, loc.offset),
-                                              info.sync, name, loc.offset)
-    if stored != oid or kind != loc.kind or (
-            packs.verify_reads(loc.pack) and object_id(kind, raw) != oid):
-        raise Corrupt(packs.label(loc.pack), loc.offset,
-                      f"the frame the index names for {oid.hex()} holds another object")
-    return [o for _k, o in references(kind, raw)]
 
 
 def _sums(entries: Iterator[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, int]]:

@@ -18,7 +18,7 @@ from strata.engine.errors import Corrupt
 from strata.engine.index import Index, Loc, RefsOf
 from strata.engine.indexer import Indexer
 from strata.engine.journal import Journal
-from strata.engine.objects import references, unpackb
+from strata.engine.objects import object_id, references, unpackb
 from strata.engine.packstore import PackStore
 
 Pos = tuple[int, int]
@@ -42,13 +42,19 @@ def open_index(path: str, packs: PackStore, report: dict[str, Any]) -> Index:
 
 
 def frame_refs(packs: PackStore) -> RefsOf:
-    """What an indexed object names, read from its frame (the GC accounting's input)."""
+    """What an indexed object names, read from its frame (the GC accounting's input).
+
+    None when the frame is not the object `oid` (bytes from the bucket are
+    hashed, as reads hash them) or does not decode.
+    """
     def refs_of(oid: bytes, loc: Loc) -> list[bytes] | None:
         name = packfmt.pack_name(loc.pack)
         try:
-            kind, _oid, raw = packfmt.decode_object(
+            kind, stored, raw = packfmt.decode_object(
                 packs.pread(loc.pack, loc.length, loc.offset), packs.info(loc.pack).sync,
                 name, loc.offset)
+            if stored != oid or (packs.verify_reads(loc.pack) and object_id(kind, raw) != oid):
+                return None
             return [o for _k, o in references(kind, raw)]
         except (Corrupt, ValueError):  # fsck names it; what it names is unknown
             return None

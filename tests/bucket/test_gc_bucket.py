@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from strata.engine.errors import StrataError
 from strata.engine.gc import PINS_UNTIL
@@ -22,6 +23,17 @@ from strata.engine.tier import restore
 from strata.engine.txn import Transaction
 
 MiB = 1 << 20
+
+
+def _index_complete(r: LocalStore) -> Any:
+    """The restored store's tier, once it holds the whole index (GC waits for that)."""
+    rt = r._tier
+    assert rt is not None
+    deadline = time.monotonic() + 60
+    while not rt.index_complete():
+        assert time.monotonic() < deadline, "the index never came"
+        time.sleep(0.05)
+    return rt
 
 
 def _bucket_packs(s: LocalStore) -> set[str]:
@@ -100,12 +112,7 @@ def test_policies_travel_with_the_bucket(bucket_url: str, tmp_path: Path) -> Non
         restore(bucket_url, str(tmp_path / "b"), key=read_key_file(str(store / KEY_FILE)))
         with LocalStore(str(tmp_path / "b")) as r:
             # Pins `a` granted are unknown here: a pass right after the takeover waits.
-            rt = r._tier
-            assert rt is not None
-            deadline = time.monotonic() + 60
-            while not rt.index_complete():
-                assert time.monotonic() < deadline, "the index never came"
-                time.sleep(0.05)
+            _index_complete(r)
             waited = r.gc(min_age=0)
             assert "pins granted before" in (waited.get("waiting") or "")
             assert len(r.log(heads["live"])) == 5
@@ -115,12 +122,7 @@ def test_policies_travel_with_the_bucket(bucket_url: str, tmp_path: Path) -> Non
             assert r.policies.load() == want
             assert r.list_branches("v") == heads
             assert len(r.log(heads["live"])) == 5 and len(r.log(heads["side"])) == 5
-            rt = r._tier
-            assert rt is not None
-            deadline = time.monotonic() + 60
-            while not rt.index_complete():  # GC waits for the inherited index
-                assert time.monotonic() < deadline, "the index never came"
-                time.sleep(0.05)
+            _index_complete(r)  # GC waits for the inherited index
             r.gc(min_age=0)
             assert len(r.log(heads["live"])) == 2 and len(r.log(heads["side"])) == 1
             assert Transaction(r, "v").read("f") == b"live 3" * 50_000
@@ -177,12 +179,7 @@ def test_a_restored_store_recounts_once_then_collects_incrementally(bucket_url: 
     with contextlib.suppress(FileNotFoundError):  # `a` closed: it holds no pins
         os.unlink(tmp_path / "b" / PINS_UNTIL)
     with LocalStore(str(tmp_path / "b")) as r:
-        rt = r._tier
-        assert rt is not None
-        deadline = time.monotonic() + 60
-        while not rt.index_complete():
-            assert time.monotonic() < deadline, "the index never came"
-            time.sleep(0.05)
+        rt = _index_complete(r)
         assert not r.index.counted()
         ranged = rt.stats["ranged_reads"]
         first = r.gc(min_age=0)

@@ -470,7 +470,6 @@ def _pass(store: Collectable, journal: Journal, packs: PackStore, report: Report
             and store.index.get_meta(FAILED) is None):
         # A restored index (or accounting found wrong): recount it in place rather
         # than mark in full for good. It reads every indexed node once.
-        store.sync_index()
         report.recount = recount(store.index, packs, store.path)
     counted = store.index.counted()
     report.mode = "incremental" if counted and not full else "full"
